@@ -1,0 +1,343 @@
+"""Typed dataclass configs: YAML presets, dotted `a.b=c` overrides, validation with clear errors.
+
+Each config field carries a one-line description (`opt(default, help)`); defaults run on a laptop.
+This module only parses and checks configs; it never starts anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names the dotted field and what was expected."""
+
+
+def opt(default: Any, help: str, *, factory: bool = False) -> Any:
+    """A dataclass field with a one-line description (shown by `m2flow train --help-config`)."""
+    if factory:
+        return field(default_factory=default, metadata={"help": help})
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def section(cls: type, help: str) -> Any:
+    """A nested config section."""
+    return field(default_factory=cls, metadata={"help": help})
+
+
+@dataclass
+class ClusterConfig:
+    address: str | None = opt(None, "Ray address to join (e.g. 'auto' or 'ray://head:10001'); None starts a local Ray instance")
+    cpu_devices: int | None = opt(None, "CPU devices per node when there are no GPUs (default: one per core)")
+    placement: Any = opt("all", "component -> devices, e.g. 'actor,rollout: all' or 'rollout: 0; actor,inference: 1'")
+
+    def validate(self, where: str) -> None:
+        if self.cpu_devices is not None and self.cpu_devices < 1:
+            raise ConfigError(f"{where}.cpu_devices must be >= 1, got {self.cpu_devices}")
+        if not isinstance(self.placement, (str, dict)):
+            raise ConfigError(f"{where}.placement must be a string or a mapping, got {type(self.placement).__name__}")
+
+
+@dataclass
+class RunConfig:
+    name: str = opt("run", "run name: outputs go to <dir>/<name>/")
+    dir: str = opt("runs", "parent folder of run directories")
+    seed: int = opt(0, "global seed (data order, sampling, init)")
+    steps: int = opt(20, "training steps")
+    save_every: int = opt(0, "write a checkpoint every N steps (0: only at the end)")
+    eval_every: int = opt(0, "evaluate every N steps (0: only before and after)")
+    resume: bool = opt(False, "continue from the newest checkpoint in the run directory")
+    trace: bool = opt(True, "write trace.json and plots/timeline.png")
+    progress: bool = opt(True, "show a progress bar")
+
+    def validate(self, where: str) -> None:
+        for name in ("steps", "save_every", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir) / self.name
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
+    """Check (and gently coerce: int -> float) a YAML value against a type hint."""
+    if hint is Any:
+        return True, value
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            ok, v = _type_ok(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if hint is type(None):
+        return value is None, value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        if args:
+            out = []
+            for item in value:
+                ok, v = _type_ok(item, args[0])
+                if not ok:
+                    return False, value
+                out.append(v)
+            value = out
+        return True, origin(value)
+    if origin is dict:
+        return isinstance(value, dict), value
+    if hint is float:
+        if isinstance(value, bool):
+            return False, value
+        if isinstance(value, (int, float)):
+            return True, float(value)
+        return False, value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if isinstance(hint, type):
+        return isinstance(value, hint), value
+    return True, value
+
+
+def _type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def from_dict(cls: type, data: dict | None, where: str = "") -> Any:
+    """Build dataclass `cls` from a mapping, checking every key and type; `where` is the dotted prefix."""
+    data = dict(data or {})
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        name = f"{where}.{key}" if where else key
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown config field '{name}'{hint}; valid fields here: {', '.join(fields)}")
+        hint_t = hints[key]
+        if dataclasses.is_dataclass(hint_t):
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"config field '{name}' is a section; expected a mapping, got {value!r}")
+            kwargs[key] = from_dict(hint_t, value, name)
+            continue
+        ok, coerced = _type_ok(value, hint_t)
+        if not ok:
+            raise ConfigError(f"config field '{name}' expects {_type_name(hint_t)}, got {value!r}")
+        kwargs[key] = coerced
+    obj = cls(**kwargs)
+    validate(obj, where)
+    return obj
+
+
+def validate(obj: Any, where: str = "") -> None:
+    """Run `validate(where)` on every section that defines it."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            validate(value, f"{where}.{f.name}" if where else f.name)
+    if hasattr(obj, "validate"):
+        obj.validate(where or "config")
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """['a.b=3', 'c=x'] -> {'a': {'b': 3}, 'c': 'x'}; values are parsed as YAML scalars."""
+    out: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw.strip() else None
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}' conflicts with an earlier override of '{part}'")
+        node[parts[-1]] = value
+    return out
+
+
+def merge(base: dict, extra: dict) -> dict:
+    """Recursive dict merge; `extra` wins."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def resolve_path(config: str | Path) -> Path:
+    """A YAML path, or a preset name from configs/ (e.g. 'grpo_arithmetic')."""
+    p = Path(config)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.exists():
+            raise ConfigError(f"config file '{p}' does not exist")
+        return p
+    preset = CONFIG_DIR / f"{config}.yaml"
+    if preset.exists():
+        return preset
+    names = sorted(x.stem for x in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"no config file or preset named '{config}'; presets: {', '.join(names) or '(none)'}")
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping at the top level")
+    return data
+
+
+def load(cls: type, config: str | Path | dict | None = None, overrides: list[str] | None = None) -> Any:
+    """Resolve a config: a YAML file or preset (or a dict), then dotted overrides, then validation."""
+    data = {} if config is None else config if isinstance(config, dict) else read_yaml(resolve_path(config))
+    data = merge(data, parse_overrides(overrides or []))
+    data.pop("flow", None)  # which flow a YAML is for; chosen by the CLI
+    return from_dict(cls, data)
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def save_yaml(obj: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(obj) if dataclasses.is_dataclass(obj) else obj, sort_keys=False))
+
+
+def describe(cls: type, where: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted name, default, help) for every field: what `--help-config` prints."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        name = f"{where}.{f.name}" if where else f.name
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            rows += describe(hint, name)
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((name, default, f.metadata.get("help", "")))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- reasoning
+
+
+@dataclass
+class ModelConfig:
+    path: str = opt("", "local HF model directory (Qwen2/Llama style); empty: the flow builds a tiny model into the run dir")
+    dtype: str = opt("float32", "parameter dtype: float32 | bfloat16")
+    tiny_hidden: int = opt(64, "hidden size of the tiny model built when path is empty")
+    tiny_layers: int = opt(2, "layers of the tiny model built when path is empty")
+
+    def validate(self, where: str) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"{where}.dtype must be 'float32' or 'bfloat16', got '{self.dtype}'")
+
+
+@dataclass
+class DataConfig:
+    task: str = opt("arithmetic", "arithmetic | countdown (built-in, generated from the seed) | file")
+    path: str = opt("", "JSONL or Parquet file when task=file")
+    prompt_key: str = opt("prompt", "prompt column of the file")
+    answer_key: str = opt("answer", "answer column of the file")
+    digits: int = opt(2, "operand digits of the arithmetic task")
+    ops: str = opt("+", "operators of the arithmetic task, e.g. '+-'")
+    train_size: int = opt(5000, "synthetic training problems")
+    eval_size: int = opt(200, "held-out problems for evaluation")
+    max_prompt_len: int = opt(64, "prompts longer than this (in tokens) are dropped, with a count")
+
+    def validate(self, where: str) -> None:
+        if self.task not in ("arithmetic", "countdown", "file"):
+            raise ConfigError(f"{where}.task must be arithmetic | countdown | file, got '{self.task}'")
+        if self.task == "file" and not self.path:
+            raise ConfigError(f"{where}.path is required when {where}.task=file")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = opt("native", "generation engine: native (batched KV-cache engine) | hf (transformers generate)")
+    prompts_per_step: int = opt(32, "prompts per training step")
+    n: int = opt(8, "samples per prompt (the GRPO group size)")
+    max_new_tokens: int = opt(8, "longest response, in tokens")
+    temperature: float = opt(1.0, "sampling temperature")
+    top_p: float = opt(1.0, "nucleus sampling threshold")
+    top_k: int = opt(0, "top-k sampling (0: off)")
+    max_slots: int = opt(256, "native engine: concurrent sequences (continuous batching slots)")
+    check_weight_sync: bool = opt(True, "after each sync, verify the rollout weights equal the actor's")
+
+    def validate(self, where: str) -> None:
+        if self.engine not in ("native", "hf"):
+            raise ConfigError(f"{where}.engine must be native | hf, got '{self.engine}'")
+        if self.n < 1 or self.prompts_per_step < 1 or self.max_new_tokens < 1:
+            raise ConfigError(f"{where}.n, prompts_per_step and max_new_tokens must be >= 1")
+
+
+@dataclass
+class RewardConfig:
+    fn: str = opt("auto", "exact_match | math_verify | countdown | pkg.mod:fn | auto (by task)")
+    timeout_s: float = opt(5.0, "seconds per reward call; a call past it scores 0 and is counted")
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = opt("grpo", "grpo | ppo")
+    advantage: str = opt("grpo", "advantage estimator: grpo | dr_grpo | rloo | reinforce_pp | gae (ppo)")
+    clip_low: float = opt(0.2, "PPO clip epsilon below 1")
+    clip_high: float = opt(0.28, "PPO clip epsilon above 1 (clip-higher)")
+    dual_clip: float | None = opt(None, "dual-clip constant c (> 1), None: off")
+    loss_agg: str = opt("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean")
+    kl_coef: float = opt(0.0, "KL penalty against the reference (initial) policy, in the loss")
+    kl_estimator: str = opt("k3", "k1 | k2 | k3")
+    entropy_coef: float = opt(0.0, "entropy bonus")
+    gamma: float = opt(1.0, "PPO discount over tokens")
+    lam: float = opt(1.0, "PPO GAE lambda over tokens")
+    dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal")
+
+
+@dataclass
+class ActorConfig:
+    lr: float = opt(5e-4, "learning rate")
+    lr_schedule: str = opt("constant", "constant | cosine")
+    warmup_steps: int = opt(0, "linear warm-up steps")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    grad_clip: float = opt(1.0, "max gradient norm")
+    mini_batches: int = opt(1, "optimizer steps per training step (the batch is split into this many)")
+    epochs: int = opt(1, "passes over the batch per training step")
+    micro_batch: int = opt(32, "samples per forward/backward; also the streaming granularity when pipelined")
+    critic_lr: float = opt(1e-3, "critic learning rate (ppo)")
+
+
+@dataclass
+class ReasoningConfig:
+    run: RunConfig = section(RunConfig, "run name, seed, steps, checkpoints")
+    cluster: ClusterConfig = section(ClusterConfig, "Ray cluster and placement")
+    model: ModelConfig = section(ModelConfig, "the policy model")
+    data: DataConfig = section(DataConfig, "prompts and answers")
+    rollout: RolloutConfig = section(RolloutConfig, "generation")
+    reward: RewardConfig = section(RewardConfig, "scoring")
+    algorithm: AlgorithmConfig = section(AlgorithmConfig, "advantages and losses")
+    actor: ActorConfig = section(ActorConfig, "policy (and critic) training")
+
+    def validate(self, where: str) -> None:
+        if self.algorithm.name not in ("grpo", "ppo"):
+            raise ConfigError(f"algorithm.name must be grpo | ppo, got '{self.algorithm.name}'")
+        if self.algorithm.name == "grpo" and self.rollout.n < 2:
+            raise ConfigError("rollout.n must be >= 2 for grpo (advantages are relative within a group)")

@@ -1,0 +1,78 @@
+"""Rollout worker: samples n responses per prompt with a generation engine and streams each finished
+prompt group to its output channel. It does not score or train.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from m2flow.engines.base import SamplingParams
+from m2flow.engines.hf import HFEngine, load_model, load_tokenizer
+from m2flow.runtime import Worker
+from m2flow.runtime.weights import WeightsRef, load_into, state_digest
+from m2flow.workers.common import END
+
+
+def build_engine(kind: str, model, tokenizer, max_slots: int, max_len: int):
+    """The generation engine named by `rollout.engine`."""
+    if kind == "native":
+        from m2flow.engines.native import NativeEngine
+
+        return NativeEngine(model, max_slots=max_slots, max_len=max_len)
+    return HFEngine(model, tokenizer)
+
+
+class RolloutWorker(Worker):
+    def __init__(self, cfg, model_path: str):
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = load_model(model_path, dtype=getattr(torch, cfg.model.dtype)).eval()
+        max_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens + 1
+        self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, cfg.rollout.max_slots, max_len)
+        self.version = 0
+        self.register_offloadable("model", self.model)
+
+    def generate(self, prompts: list[dict], out, step: int) -> dict:
+        """Sample `rollout.n` responses for each prompt {index, ids, answer}; put one group per prompt
+        into `out` as soon as it finishes, then END. Returns generation metrics."""
+        r = self.cfg.rollout
+        params = SamplingParams(
+            n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            stop_token_ids=[self.tokenizer.eos_token_id], seed=self.cfg.run.seed * 1_000_003 + step * 101 + self.rank,
+        )
+        tokens = 0
+
+        def emit(i: int, group) -> None:
+            nonlocal tokens
+            p = prompts[i]
+            tokens += sum(len(g.response_ids) for g in group)
+            out.put({
+                "index": p["index"], "prompt_ids": list(p["ids"]), "answer": p["answer"],
+                "responses": [g.response_ids for g in group], "logprobs": [g.logprobs for g in group],
+                "texts": [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in group],
+                "finish": [g.finish_reason for g in group], "version": self.version,
+            }, weight=len(group))
+
+        with self.device_phase("generate", step):
+            start = time.perf_counter()
+            self.engine.generate([p["ids"] for p in prompts], params, on_group_done=emit)
+            seconds = time.perf_counter() - start
+        out.put(END)
+        return {"rollout/tokens": tokens, "rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
+
+    def load_weights(self, weights: WeightsRef) -> str:
+        """Copy the actor's published weights into the engine's model in place; returns their digest."""
+        with self.device_phase("weight_sync", weights.version):
+            load_into(self.model, weights)
+            self.version = weights.version
+        return state_digest(self.model.state_dict())
+
+    def evaluate(self, problems: list[dict], k: int, reward_fn: str, temperature: float = 1.0) -> dict:
+        """Greedy pass@1 and sampled pass@k over held-out problems {ids, answer}."""
+        from m2flow.workloads.reasoning.evaluate import evaluate
+
+        with self.device_phase("evaluate"):
+            return evaluate(self.engine, self.tokenizer, problems, reward_fn, k=k, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                            temperature=temperature, seed=self.cfg.run.seed)
