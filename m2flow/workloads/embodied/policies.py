@@ -1,0 +1,163 @@
+"""Actor-critic policies for embodied RL: an MLP for state obs and a Nature-CNN for 64x64 pixel obs, with a Gaussian
+(Box) or Categorical (Discrete) action head. Pure torch modules: they never step an env and hold no loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from gymnasium import spaces
+from torch import nn
+from torch.distributions import Categorical, Normal
+
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "elu": nn.ELU}
+
+
+def _linear(in_features: int, out_features: int, gain: float) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features)
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class ActorCritic(nn.Module):
+    """Action head, value head and the act/evaluate/value interface; subclasses provide `features(obs)`.
+
+    Action shapes: Box [B, *shape], Discrete [B]; with chunk=k > 1 a policy call gives k actions, [B, k, *shape] /
+    [B, k], and logprob/entropy are summed over the chunk. Box actions are the raw Gaussian sample (unclipped: the env
+    group clips at the env step), so `logprob` is that of the sample.
+    """
+
+    def __init__(self, action_space: spaces.Space, actor_dim: int, critic_dim: int, chunk: int = 1,
+                 log_std_init: float = 0.0):
+        super().__init__()
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.action_space, self.chunk = action_space, chunk
+        if isinstance(action_space, spaces.Box):
+            self.act_shape = tuple(action_space.shape)
+            out = chunk * math.prod(self.act_shape)
+            self.log_std = nn.Parameter(torch.full((out,), float(log_std_init)))  # state-independent
+        elif isinstance(action_space, spaces.Discrete):
+            self.act_shape = ()
+            out = chunk * int(action_space.n)
+        else:
+            raise ValueError(f"action space {action_space} is not supported (Box or Discrete)")
+        self.actor_head = _linear(actor_dim, out, gain=0.01)
+        self.critic_head = _linear(critic_dim, 1, gain=1.0)
+
+    def features(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """obs [B, *obs] -> (actor features [B, actor_dim], critic features [B, critic_dim])."""
+        raise NotImplementedError
+
+    def _dist(self, actor_feat: torch.Tensor):
+        """A distribution over actions of shape [B, (k,) *act_shape] (Discrete: over indices from 0)."""
+        b, out = actor_feat.shape[0], self.actor_head(actor_feat)
+        lead = (b, self.chunk) if self.chunk > 1 else (b,)
+        if isinstance(self.action_space, spaces.Box):
+            return Normal(out.view(*lead, *self.act_shape), self.log_std.exp().view(*lead[1:], *self.act_shape))
+        return Categorical(logits=out.view(*lead, int(self.action_space.n)))
+
+    @staticmethod
+    def _sum(x: torch.Tensor) -> torch.Tensor:
+        """[B, ...] per-dimension terms -> [B]."""
+        return x.flatten(1).sum(-1) if x.ndim > 1 else x
+
+    def _to_index(self, actions: torch.Tensor) -> torch.Tensor:
+        return actions.long() - int(self.action_space.start)
+
+    def act(self, obs: torch.Tensor, deterministic: bool = False):
+        """obs [B, *obs] -> (action [B, (k,) *act], logprob [B], value [B]). Deterministic: Gaussian mean / argmax."""
+        actor_feat, critic_feat = self.features(obs)
+        dist = self._dist(actor_feat)
+        if isinstance(dist, Normal):
+            action = dist.mean if deterministic else dist.sample()
+            logprob = self._sum(dist.log_prob(action))
+        else:
+            index = dist.probs.argmax(-1) if deterministic else dist.sample()
+            logprob = self._sum(dist.log_prob(index))
+            action = index + int(self.action_space.start)
+        return action, logprob, self.critic_head(critic_feat).squeeze(-1)
+
+    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor):
+        """obs [B, *obs], actions [B, (k,) *act] -> (logprob [B], entropy [B], value [B])."""
+        actor_feat, critic_feat = self.features(obs)
+        dist = self._dist(actor_feat)
+        taken = actions if isinstance(dist, Normal) else self._to_index(actions)
+        return self._sum(dist.log_prob(taken)), self._sum(dist.entropy()), self.critic_head(critic_feat).squeeze(-1)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        """obs [B, *obs] -> V(obs) [B]."""
+        return self.critic_head(self.features(obs)[1]).squeeze(-1)
+
+    def _device(self) -> torch.device:
+        return self.critic_head.weight.device
+
+
+def _mlp(in_dim: int, hidden: tuple[int, ...], activation: type[nn.Module]) -> nn.Sequential:
+    layers, d = [], in_dim
+    for h in hidden:
+        layers += [_linear(d, h, gain=math.sqrt(2)), activation()]
+        d = h
+    return nn.Sequential(*layers)
+
+
+class MLPActorCritic(ActorCritic):
+    """Separate actor and critic MLPs (orthogonal init, gain sqrt 2; heads 0.01 / 1) on flattened float obs."""
+
+    def __init__(self, obs_dim: int, action_space: spaces.Space, hidden: tuple[int, ...] = (64, 64),
+                 activation: str | type[nn.Module] = "tanh", chunk: int = 1, log_std_init: float = 0.0):
+        act = ACTIVATIONS[activation] if isinstance(activation, str) else activation
+        width = hidden[-1] if hidden else obs_dim
+        super().__init__(action_space, width, width, chunk, log_std_init)
+        self.obs_dim = obs_dim
+        self.actor = _mlp(obs_dim, tuple(hidden), act)
+        self.critic = _mlp(obs_dim, tuple(hidden), act)
+
+    def features(self, obs):
+        x = torch.as_tensor(obs, device=self._device()).float().flatten(1)
+        if x.shape[1] != self.obs_dim:
+            raise ValueError(f"MLPActorCritic: obs of shape {tuple(obs.shape)} flatten to {x.shape[1]} features, "
+                             f"expected obs_dim={self.obs_dim}")
+        return self.actor(x), self.critic(x)
+
+
+class CNNActorCritic(ActorCritic):
+    """Nature-CNN encoder (conv 8/4, 4/2, 3/1 -> 512) on uint8 [B, C, H, W] frames scaled to [0, 1], shared by the
+    actor and critic heads (as SB3's and CleanRL's pixel PPO)."""
+
+    def __init__(self, obs_shape: tuple[int, int, int], action_space: spaces.Space, features_dim: int = 512,
+                 chunk: int = 1, log_std_init: float = 0.0):
+        super().__init__(action_space, features_dim, features_dim, chunk, log_std_init)
+        self.obs_shape = tuple(obs_shape)
+        c = self.obs_shape[0]
+        g = math.sqrt(2)
+        convs = [nn.Conv2d(c, 32, 8, stride=4), nn.Conv2d(32, 64, 4, stride=2), nn.Conv2d(64, 64, 3, stride=1)]
+        for conv in convs:
+            nn.init.orthogonal_(conv.weight, g)
+            nn.init.zeros_(conv.bias)
+        conv = nn.Sequential(convs[0], nn.ReLU(), convs[1], nn.ReLU(), convs[2], nn.ReLU(), nn.Flatten())
+        with torch.no_grad():
+            flat = conv(torch.zeros(1, *self.obs_shape)).shape[1]
+        self.encoder = nn.Sequential(conv, _linear(flat, features_dim, gain=g), nn.ReLU())
+
+    def features(self, obs):
+        x = torch.as_tensor(obs, device=self._device())
+        if tuple(x.shape[1:]) != self.obs_shape:
+            raise ValueError(f"CNNActorCritic: obs of shape {tuple(x.shape)}, expected [B, *{self.obs_shape}] "
+                             "(channel-first frames)")
+        z = self.encoder(x.float() / 255.0)
+        return z, z
+
+
+def build_policy(obs_space: spaces.Box, action_space: spaces.Space, kind: str = "mlp", **kw) -> ActorCritic:
+    """kind "mlp": MLPActorCritic on the flattened obs; "cnn": CNNActorCritic on [C, H, W] uint8 frames."""
+    if kind == "mlp":
+        return MLPActorCritic(int(np.prod(obs_space.shape)), action_space, **kw)
+    if kind == "cnn":
+        if len(obs_space.shape) != 3 or obs_space.dtype != np.uint8:
+            raise ValueError(f"kind='cnn' needs uint8 [C, H, W] pixel obs (pixels=True), got {obs_space}")
+        return CNNActorCritic(tuple(obs_space.shape), action_space, **kw)
+    raise ValueError(f"unknown policy kind {kind!r}; expected 'mlp' or 'cnn'")
