@@ -7,6 +7,7 @@ It moves tensors and checks them; it does not know which model they belong to.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +53,9 @@ def fetch(weights: WeightsRef) -> dict[str, torch.Tensor]:
     arrays, dtypes = ray.get(weights.ref[0])
     out = {}
     for k, a in arrays.items():
-        t = torch.from_numpy(np.array(a, copy=False))
+        with warnings.catch_warnings():  # read-only shared memory: receivers copy out of it, never write
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(a)
         out[k] = t.view(torch.bfloat16) if dtypes[k] == "torch.bfloat16" else t
     return out
 

@@ -1,0 +1,129 @@
+"""Cluster: start (or join) Ray and list the devices that placements refer to: GPUs, else slots of CPU cores.
+
+It launches no workers (`group.py` does) and decides no placement (`placement.py` does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .lock import DeviceLock
+
+__all__ = ["Device", "Cluster"]
+
+
+@dataclass(frozen=True)
+class Device:
+    """One schedulable compute unit: a GPU, or a slot of CPU cores (workers on it are pinned to `cores`)."""
+
+    index: int
+    node_id: str
+    node_ip: str
+    kind: str  # "cpu" | "gpu"
+    cores: tuple[int, ...]
+    gpu_id: int | None = None
+
+
+@ray.remote(num_cpus=0)
+def _probe_node() -> dict:
+    """What a worker process on this node sees: its usable cores and the GPUs it may address."""
+    return {"cores": sorted(os.sched_getaffinity(0)), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def _slices(cores: list[int], n: int) -> list[tuple[int, ...]]:
+    """Split `cores` into `n` contiguous slices of near-equal size; with more slices than cores, cores are shared."""
+    if n <= len(cores):
+        return [tuple(cores[i * len(cores) // n:(i + 1) * len(cores) // n]) for i in range(n)]
+    return [(cores[i * len(cores) // n],) for i in range(n)]
+
+
+def _gpu_ids(cuda_visible: str | None, count: int) -> list[int]:
+    try:
+        ids = [int(x) for x in (cuda_visible or "").split(",") if x.strip()]
+    except ValueError:  # UUIDs: address GPUs by position
+        ids = []
+    return ids[:count] if len(ids) >= count else list(range(count))
+
+
+class Cluster:
+    """Start a local Ray instance (or join `address`, or use the one already initialized) and list its devices.
+
+    Per node: one device per GPU; on nodes without GPUs (or with `use_gpus=False`), `cpu_devices` CPU devices
+    (default: one per core), each owning a contiguous slice of the node's cores. Devices are numbered
+    node by node, the driver's node first.
+    """
+
+    def __init__(self, address: str | None = None, cpu_devices: int | None = None, num_cpus: int | None = None,
+                 use_gpus: bool = True):
+        if cpu_devices is not None and cpu_devices < 1:
+            raise ValueError(f"Cluster: cpu_devices must be >= 1 (or None for one per core), got {cpu_devices}")
+        self._started = not ray.is_initialized()
+        if self._started:
+            # address="local": start a new instance, never attach to a stray one (RAY_ADDRESS, `ray start`)
+            args = dict(address=address) if address else dict(address="local", num_cpus=num_cpus)
+            try:
+                ray.init(include_dashboard=False, logging_level=logging.WARNING, **args)
+            except Exception as e:  # Ray gives a local node 30 s to start; an overloaded machine may need a retry
+                if address or "timed out during startup" not in str(e):
+                    raise
+                ray.shutdown()
+                ray.init(include_dashboard=False, logging_level=logging.WARNING, **args)
+        self._locks: dict[int, DeviceLock] = {}
+        self.devices: list[Device] = []
+        self.nodes: list[dict] = []
+        here = ray.get_runtime_context().get_node_id()
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        alive.sort(key=lambda n: (n["NodeID"] != here, n["NodeManagerAddress"], n["NodeID"]))
+        pinned = [NodeAffinitySchedulingStrategy(n["NodeID"], soft=False) for n in alive]
+        probes = ray.get([_probe_node.options(scheduling_strategy=p).remote() for p in pinned])
+        for node, probe in zip(alive, probes):
+            res = node["Resources"]
+            cores = probe["cores"][:int(res["CPU"])] if res.get("CPU", 0) >= 1 else probe["cores"]
+            num_gpus = int(res.get("GPU", 0)) if use_gpus else 0
+            if num_gpus:
+                kinds = [("gpu", g) for g in _gpu_ids(probe["cuda_visible"], num_gpus)]
+            else:
+                kinds = [("cpu", None)] * (cpu_devices or len(cores))
+            first = len(self.devices)
+            for (kind, gpu), slot in zip(kinds, _slices(cores, len(kinds))):
+                ip = node["NodeManagerAddress"]
+                self.devices.append(Device(len(self.devices), node["NodeID"], ip, kind, slot, gpu))
+            self.nodes.append(dict(node_id=node["NodeID"], node_ip=node["NodeManagerAddress"], cores=cores,
+                                   num_gpus=num_gpus, devices=list(range(first, len(self.devices)))))
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    def device(self, index: int) -> Device:
+        if not 0 <= index < len(self.devices):
+            raise IndexError(f"device {index} does not exist; the cluster has {len(self.devices)} device(s)")
+        return self.devices[index]
+
+    def device_lock(self, index: int) -> DeviceLock:
+        """The (shared, named) lock of device `index`; workers on that device take it in `device_phase`."""
+        if index not in self._locks:
+            self._locks[index] = DeviceLock(index, self.device(index).node_id)
+        return self._locks[index]
+
+    def shutdown(self) -> None:
+        """Stop Ray if this Cluster started it (a joined or pre-initialized Ray is left running)."""
+        self._locks.clear()
+        if self._started and ray.is_initialized():
+            ray.shutdown()
+        self._started = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __repr__(self):
+        kinds = ", ".join(f"{d.index}:{d.kind}@{d.node_ip}{list(d.cores)}" for d in self.devices)
+        return f"Cluster({len(self.nodes)} node(s), devices [{kinds}])"

@@ -1,0 +1,437 @@
+"""Workers and groups: one Ray actor per rank, bound to its devices by environment; a group call runs a method on
+every rank and returns a Handle, whose errors name the component, the rank and the remote traceback.
+
+It does not choose placements (`placement.py`) and moves no data between groups (`channel.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from typing import Iterable, Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .cluster import Cluster, Device
+from .lock import DeviceLock
+from .offload import offload_state, onload_state
+from .placement import ComponentPlacement
+from .tracer import Tracer
+
+__all__ = ["WorkerError", "Worker", "Group", "Handle", "wait_all", "concurrent"]
+
+_DEPTH_LOCK = threading.Lock()
+
+
+class WorkerError(RuntimeError):
+    """A worker call failed (remote exception) or its process died; names component, rank and remote traceback."""
+
+    def __init__(self, component: str, rank: int, message: str, remote_traceback: str | None = None,
+                 exc_type: str | None = None):
+        self.component, self.rank, self.message = component, rank, message
+        self.remote_traceback, self.exc_type = remote_traceback, exc_type
+        text = f"{component} rank {rank}: {message}"
+        if remote_traceback:
+            text += f"\n--- remote traceback ({component} rank {rank}) ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return WorkerError, (self.component, self.rank, self.message, self.remote_traceback, self.exc_type)
+
+
+def concurrent(method):
+    """Mark a Worker method to run alongside the others (e.g. `stop`, `status`) instead of one at a time."""
+    method._m2flow_concurrent = True
+    return method
+
+
+class Worker:
+    """Subclass this; its public methods become callable on every rank through a Group.
+
+    Before the subclass's `__init__` runs, these are set: `component`, `rank`, `world_size`, `devices`
+    (list[Device]), `run_dir`; the process has RANK, WORLD_SIZE, LOCAL_RANK, M2FLOW_COMPONENT (and
+    CUDA_VISIBLE_DEVICES on GPUs) in its environment, and on CPU devices it is pinned to the devices' cores
+    with `torch.set_num_threads(len(cores))`. Methods run one at a time, in call order, unless marked
+    `@concurrent`. A Worker made directly (`MyWorker()`) is a plain local object: rank 0 of 1, no devices.
+    """
+
+    component: str = "local"
+    rank: int = 0
+    world_size: int = 1
+    devices: list[Device] = []
+    run_dir: str | None = None
+    context_switch: bool = False  # device_phase onloads state on entry, offloads it on exit (collocated turns)
+    _m2flow_locks: list[DeviceLock] = []
+
+    @classmethod
+    def launch(cls, cluster: Cluster, placement: ComponentPlacement, *args, **kwargs) -> "Group":
+        """`Group.launch(cls, cluster, placement, *args, **kwargs)`."""
+        return Group.launch(cls, cluster, placement, *args, **kwargs)
+
+    @property
+    def tracer(self) -> Tracer:
+        if "_m2flow_tracer" not in self.__dict__:
+            self._m2flow_tracer = Tracer(self.component, self.rank, [d.index for d in self.devices])
+        return self._m2flow_tracer
+
+    @property
+    def _owner(self) -> str:
+        return f"{self.component}/{self.rank}@{os.getpid()}"
+
+    @contextmanager
+    def device_phase(self, phase: str, step: int | None = None):
+        """Hold the locks of all this rank's devices (sorted order, re-entrant) while the block runs; trace it.
+        With `context_switch` on, the outermost phase also onloads the registered state and offloads it after."""
+        taken, start = [], time.time()
+        try:
+            for lock in self._m2flow_locks:
+                lock.acquire(self._owner)
+                taken.append(lock)
+            with self.tracer.span(phase, step, locked=True, wait=time.time() - start):
+                with _DEPTH_LOCK:  # phases in flight in this worker (nested, or from @concurrent methods)
+                    depth = self._m2flow_depth = self.__dict__.get("_m2flow_depth", 0) + 1
+                try:
+                    if depth == 1 and self.context_switch:
+                        self.onload()
+                    yield
+                finally:
+                    with _DEPTH_LOCK:
+                        self._m2flow_depth -= 1
+                        last = self._m2flow_depth == 0
+                    if last and self.context_switch:
+                        self.offload()
+        finally:
+            for lock in reversed(taken):
+                lock.release(self._owner)
+
+    def set_context_switch(self, enabled: bool = True) -> None:
+        """Turn on (or off) onload-on-entry / offload-on-exit around each outermost `device_phase`."""
+        self.context_switch = enabled
+
+    def span(self, phase: str, step: int | None = None):
+        """Trace the block as a span (takes no lock)."""
+        return self.tracer.span(phase, step)
+
+    def init_process_group(self, backend: str | None = None) -> None:
+        """Join torch.distributed among this group's ranks (gloo on CPU, nccl on GPU; MASTER_ADDR/PORT are set)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        gpu = bool(self.devices) and self.devices[0].kind == "gpu"
+        dist.init_process_group(backend or ("nccl" if gpu else "gloo"), init_method="env://", rank=self.rank,
+                                world_size=self.world_size, timeout=datetime.timedelta(minutes=10))
+
+    def register_offloadable(self, name: str, obj) -> None:
+        """Have `offload()` / `onload()` move this nn.Module or Optimizer."""
+        self.__dict__.setdefault("_m2flow_offloadables", {})[name] = obj
+
+    def offload(self) -> None:
+        """Move the registered state off the device (CPU devices: to disk, freeing RAM). No-op if already off."""
+        if self.__dict__.get("_m2flow_offloaded"):
+            return
+        with self.span("offload"):
+            offload_state(self.__dict__.get("_m2flow_offloadables", {}), self._device_kind, self._offload_dir)
+        self._m2flow_offloaded = True
+
+    def onload(self) -> None:
+        """Bring the registered state back, bit-identical. No-op if it is not offloaded."""
+        if not self.__dict__.get("_m2flow_offloaded"):
+            return
+        with self.span("onload"):
+            onload_state(self.__dict__.get("_m2flow_offloadables", {}), self._device_kind, self._offload_dir)
+        self._m2flow_offloaded = False
+
+    @property
+    def _device_kind(self) -> str:
+        return self.devices[0].kind if self.devices else "cpu"
+
+    @property
+    def _offload_dir(self) -> str:
+        base = self.run_dir or os.path.join(tempfile.gettempdir(), "m2flow")
+        return os.path.join(base, "offload", f"{self.component}-{self.rank}-{os.getpid()}")
+
+    @concurrent
+    def info(self) -> dict:
+        """Where and how this rank runs: pid, node, devices, cores, torch threads."""
+        import torch
+
+        return dict(component=self.component, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
+                    node_id=ray.get_runtime_context().get_node_id(), node_ip=ray.util.get_node_ip_address(),
+                    devices=[d.index for d in self.devices], cores=sorted(os.sched_getaffinity(0)),
+                    num_threads=torch.get_num_threads(),
+                    env={k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "M2FLOW_COMPONENT",
+                                                         "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT")})
+
+
+_NOT_REMOTE = {"launch", "device_phase", "span", "tracer"}
+
+
+def _run(fn, *args, **kwargs) -> tuple:
+    """Run fn in the worker: ("ok", result, seconds) or ("err", exc type name, message, traceback, seconds)."""
+    start = time.perf_counter()
+    try:
+        return "ok", fn(*args, **kwargs), time.perf_counter() - start
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the driver
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+        return "err", type(e).__name__, f"{type(e).__name__}: {e}", tb, time.perf_counter() - start
+
+
+def _pin_process(cores: Sequence[int]) -> None:
+    """Pin every thread of this process (and so the threads they start later) to `cores`."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that just exited
+            pass
+
+
+@ray.remote(num_cpus=0, concurrency_groups={"user": 1, "system": 16})
+class _Host:
+    """The Ray actor of one rank: binds the process to its devices, then hosts the Worker object."""
+
+    def __init__(self, env: dict[str, str], cores: list[int], pin: bool):
+        os.environ.update(env)
+        import torch
+
+        if pin:
+            _pin_process(cores)
+        torch.set_num_threads(max(len(cores), 1))
+        self.worker = None
+
+    @ray.method(concurrency_group="system")
+    def where(self) -> dict:
+        """pid and a free TCP port on this node (for MASTER_PORT)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return dict(pid=os.getpid(), node_ip=ray.util.get_node_ip_address(), port=port)
+
+    @ray.method(concurrency_group="user")
+    def construct(self, worker_cls, attrs: dict, env: dict[str, str], args, kwargs) -> tuple:
+        os.environ.update(env)
+        worker = worker_cls.__new__(worker_cls)
+        worker.__dict__.update(attrs)
+        out = _run(worker.__init__, *args, **kwargs)
+        self.worker = worker
+        return out
+
+    @ray.method(concurrency_group="user")
+    def call(self, name: str, args, kwargs) -> tuple:
+        return _run(getattr(self.worker, name), *args, **kwargs)
+
+    @ray.method(concurrency_group="system")
+    def call_concurrent(self, name: str, args, kwargs) -> tuple:
+        return _run(getattr(self.worker, name), *args, **kwargs)
+
+    @ray.method(concurrency_group="system")
+    def spans(self, clear: bool) -> tuple:
+        return _run(lambda: self.worker.tracer.spans(clear) if self.worker else [])
+
+
+class Handle:
+    """The pending results of one group call; `wait()` gives them in rank order."""
+
+    def __init__(self, group: "Group", method: str, ranks: list[int], refs: list):
+        self.group, self.method, self.ranks, self._refs = group, method, ranks, refs
+        self._outcomes: dict[int, tuple] = {}  # position -> ("ok", value, wall) once fetched
+        self._error: WorkerError | None = None
+        self.wall_times: list[float] = []
+
+    def done(self) -> bool:
+        ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0)
+        return len(ready) == len(self._refs)
+
+    def wait(self, timeout: float | None = None) -> list:
+        """Per-rank results in rank order. Raises WorkerError (the first failing rank) or TimeoutError."""
+        return wait_all([self], timeout)[0]
+
+    def _fetch(self, pos: int) -> None:
+        """Resolve one rank's ref; raise WorkerError if it failed."""
+        rank = self.ranks[pos]
+        try:
+            out = ray.get(self._refs[pos])
+        except ray.exceptions.RayActorError as e:
+            where = self.group._where.get(rank, {})
+            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            error = WorkerError(self.group.component, rank,
+                                f"process died (pid {where.get('pid', '?')} on {where.get('node_ip', '?')}) during "
+                                f"{self.method}(): {cause}", exc_type="ProcessDied")
+        except ray.exceptions.RayError as e:
+            error = WorkerError(self.group.component, rank, f"{self.method}() failed in Ray: {type(e).__name__}",
+                                remote_traceback=str(e), exc_type=type(e).__name__)
+        else:
+            if out[0] == "ok":
+                self._outcomes[pos] = out
+                return
+            _, exc_type, message, tb, _wall = out
+            error = WorkerError(self.group.component, rank, f"{self.method}() raised {message}", tb, exc_type)
+        self._error = self._error or error
+        raise error
+
+    def _results(self) -> list:
+        outs = [self._outcomes[i] for i in range(len(self._refs))]
+        self.wall_times = [o[2] for o in outs]
+        return [o[1] for o in outs]
+
+    def __repr__(self):
+        return f"Handle({self.group.component}.{self.method} on ranks {self.ranks})"
+
+
+def wait_all(handles: Iterable[Handle], timeout: float | None = None) -> list[list]:
+    """Wait on all handles at once; the first failure anywhere raises at once (a WorkerError), even while other
+    calls are still blocked, e.g. on data that a dead producer will never send. Returns each handle's results."""
+    handles = list(handles)
+    for h in handles:
+        if h._error is not None:
+            raise h._error
+    pending = {h._refs[i]: (h, i) for h in handles for i in range(len(h._refs)) if i not in h._outcomes}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while pending:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+        if not ready:
+            waiting = sorted({f"{h.group.component}.{h.method} rank {h.ranks[i]}" for h, i in pending.values()})
+            raise TimeoutError(f"wait: timed out after {timeout}s; still running: {', '.join(waiting)}")
+        for ref in ready:
+            h, i = pending.pop(ref)
+            h._fetch(i)
+    return [h._results() for h in handles]
+
+
+class Group:
+    """All ranks of one component. `group.method(*args)` calls it on every rank and returns a Handle;
+    `group.on(ranks)` selects ranks; `group.call_per_rank(method, [args_rank0, args_rank1, ...])`."""
+
+    def __init__(self, worker_cls: type, placement: ComponentPlacement, actors: list, where: dict[int, dict]):
+        self.worker_cls, self.placement, self._actors, self._where = worker_cls, placement, actors, where
+        self._ranks = list(range(placement.world_size))
+
+    @property
+    def component(self) -> str:
+        return self.placement.component
+
+    @property
+    def world_size(self) -> int:
+        return self.placement.world_size
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self._ranks)
+
+    @classmethod
+    def launch(cls, worker_cls: type, cluster: Cluster, placement: ComponentPlacement, *args,
+               run_dir: str | None = None, env: dict[str, str] | None = None, **kwargs) -> "Group":
+        """Start one actor per rank on its devices' node, then build `worker_cls(*args, **kwargs)` in each.
+        Raises WorkerError (naming the rank) if a constructor fails; the group is then killed."""
+        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+            raise TypeError(f"Group.launch: worker_cls must be a Worker subclass, got {worker_cls!r}")
+        if not isinstance(placement, ComponentPlacement):
+            raise TypeError(f"Group.launch: placement must be a ComponentPlacement (e.g. parse_placement(...)"
+                            f"['{getattr(worker_cls, '__name__', '?')}']), got {placement!r}")
+        ranks = [[cluster.device(i) for i in devs] for devs in placement.rank_devices]
+        for rank, devs in enumerate(ranks):
+            if len({d.node_id for d in devs}) != 1:
+                raise ValueError(f"Group.launch: {placement.component} rank {rank} spans devices "
+                                 f"{[d.index for d in devs]} on different nodes; a process lives on one node")
+        name = placement.component
+        actors = []
+        for rank, devs in enumerate(ranks):
+            node = devs[0].node_id
+            same_node = [r for r, ds in enumerate(ranks) if ds[0].node_id == node]
+            proc_env = dict(RANK=str(rank), WORLD_SIZE=str(len(ranks)), LOCAL_RANK=str(same_node.index(rank)),
+                            LOCAL_WORLD_SIZE=str(len(same_node)), M2FLOW_COMPONENT=name)
+            cores = sorted({c for d in devs for c in d.cores})
+            proc_env["OMP_NUM_THREADS"] = str(max(len(cores), 1))  # for the processes this worker starts
+            if devs[0].kind == "gpu":
+                proc_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.gpu_id) for d in devs)
+            proc_env.update(env or {})
+            actors.append(_Host.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                                        max_restarts=0, name=None)
+                          .remote(proc_env, cores, devs[0].kind == "cpu"))
+        group = cls(worker_cls, placement, actors, {})
+        try:
+            for rank, actor in enumerate(actors):
+                try:
+                    group._where[rank] = ray.get(actor.where.remote())
+                except ray.exceptions.RayError as e:
+                    raise WorkerError(name, rank, f"process failed to start: {e}") from None
+            master = dict(MASTER_ADDR=group._where[0]["node_ip"], MASTER_PORT=str(group._where[0]["port"]))
+            refs = []
+            for rank, (actor, devs) in enumerate(zip(actors, ranks)):
+                attrs = dict(component=name, rank=rank, world_size=len(ranks), devices=devs, run_dir=run_dir,
+                             _m2flow_locks=[cluster.device_lock(d.index) for d in sorted(devs, key=lambda d: d.index)])
+                refs.append(actor.construct.remote(worker_cls, attrs, master, args, kwargs))
+            Handle(group, "__init__", group.ranks, refs).wait()
+        except BaseException:
+            group.kill()
+            raise
+        return group
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        attr = getattr(self.worker_cls, name, None)
+        if name in _NOT_REMOTE or not callable(attr):
+            raise AttributeError(f"{self.worker_cls.__name__} ({self.component}) has no remote method {name!r}")
+
+        def call(*args, **kwargs) -> Handle:
+            return self._submit(name, [(args, kwargs)] * len(self._ranks))
+
+        call.__name__ = name
+        return call
+
+    def on(self, ranks: int | Iterable[int]) -> "Group":
+        """A view of this group that calls only `ranks` (results come back in that order)."""
+        ranks = [ranks] if isinstance(ranks, int) else list(ranks)
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad or not ranks:
+            raise ValueError(f"{self.component}.on({ranks}): ranks must be in 0..{self.world_size - 1}")
+        view = copy.copy(self)
+        view._ranks = ranks
+        return view
+
+    def call_per_rank(self, method: str, args_per_rank: Sequence[tuple]) -> Handle:
+        """Call `method` with different positional args per rank: `args_per_rank[i]` goes to the i-th rank."""
+        if len(args_per_rank) != len(self._ranks):
+            raise ValueError(f"{self.component}.call_per_rank({method!r}): got {len(args_per_rank)} argument tuples "
+                             f"for {len(self._ranks)} rank(s)")
+        if any(not isinstance(a, (tuple, list)) for a in args_per_rank):
+            raise TypeError(f"{self.component}.call_per_rank({method!r}): each rank's args must be a tuple")
+        getattr(self, method)  # validates the name
+        return self._submit(method, [(tuple(a), {}) for a in args_per_rank])
+
+    def _submit(self, name: str, calls: list[tuple]) -> Handle:
+        parallel = getattr(getattr(self.worker_cls, name), "_m2flow_concurrent", False)
+        refs = []
+        for rank, (args, kwargs) in zip(self._ranks, calls):
+            actor = self._actors[rank]
+            refs.append((actor.call_concurrent if parallel else actor.call).remote(name, args, kwargs))
+        return Handle(self, name, list(self._ranks), refs)
+
+    def spans(self, clear: bool = False) -> list[dict]:
+        """Tracer spans recorded so far on the selected ranks (all by default)."""
+        refs = [self._actors[r].spans.remote(clear) for r in self._ranks]
+        return [s for per_rank in Handle(self, "spans", list(self._ranks), refs).wait() for s in per_rank]
+
+    def kill(self) -> None:
+        """Kill the selected ranks' processes at once (pending calls fail with WorkerError)."""
+        for rank in self._ranks:
+            try:
+                ray.kill(self._actors[rank], no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+
+    def __repr__(self):
+        devices = [self.placement.rank_devices[r] for r in self._ranks]
+        return f"Group({self.component}, {self.worker_cls.__name__}, ranks {self._ranks}, devices {devices})"
+

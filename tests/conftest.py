@@ -1,0 +1,23 @@
+"""Shared fixtures. `cluster`: one local Ray instance with two CPU devices for the whole test run."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A `Cluster(cpu_devices=2)` shared by every test that needs Ray; shut down at the end of the session."""
+    from m2flow.runtime import Cluster
+
+    # Worker processes import the Worker classes that tests define by module name (`test_group`, ...):
+    # give them the test directories that pytest put on the driver's sys.path.
+    test_dirs = [p for p in sys.path if p and Path(p).resolve().is_relative_to(TESTS)]
+    os.environ["PYTHONPATH"] = os.pathsep.join([*test_dirs, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    c = Cluster(cpu_devices=2)
+    yield c
+    c.shutdown()

@@ -1,0 +1,191 @@
+"""Worker groups on real Ray: calls, per-rank args, rank views, device binding, errors, dead workers, gloo."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from m2flow.runtime import ComponentPlacement, Group, Worker, WorkerError, concurrent, parse_placement, wait_all
+
+
+class Calc(Worker):
+    def __init__(self, base):
+        self.base = base
+        self.seen_at_init = (self.component, self.rank, self.world_size, [d.index for d in self.devices])
+        self.log = []
+        self.stopped = threading.Event()
+
+    def add(self, x):
+        return self.base + x + self.rank
+
+    def whoami(self):
+        return self.rank
+
+    def init_seen(self):
+        return self.seen_at_init
+
+    def nap(self, seconds):
+        time.sleep(seconds)
+        return seconds
+
+    def append(self, i):
+        self.log.append(i)
+
+    def get_log(self):
+        return self.log
+
+    def fail(self, message):
+        raise ValueError(message)
+
+    def traced(self, step):
+        with self.span("work", step=step):
+            time.sleep(0.01)
+
+    def run_until_stopped(self, limit):
+        return self.stopped.wait(limit)
+
+    @concurrent
+    def stop(self):
+        self.stopped.set()
+
+    def allreduce(self, x):
+        import torch.distributed as dist
+
+        self.init_process_group()
+        t = torch.tensor([float(x)])
+        dist.all_reduce(t)
+        return t.item()
+
+
+class Victim(Worker):
+    def pid(self):
+        return os.getpid()
+
+    def block(self, seconds):
+        time.sleep(seconds)
+        return "woke"
+
+
+class BadInit(Worker):
+    def __init__(self):
+        raise RuntimeError(f"cannot start on rank {self.rank}")
+
+
+@pytest.fixture(scope="module")
+def calc(cluster):
+    group = Calc.launch(cluster, parse_placement("calc: 0-1", cluster.num_devices)["calc"], 100)
+    yield group
+    group.kill()
+
+
+def test_calls_return_per_rank_results_in_rank_order(calc):
+    assert calc.world_size == 2 and calc.component == "calc"
+    assert calc.add(1).wait(timeout=30) == [101, 102]
+    assert calc.init_seen().wait() == [("calc", 0, 2, [0]), ("calc", 1, 2, [1])]
+
+
+def test_wall_times_are_measured_in_the_worker(calc):
+    h = calc.nap(0.2)
+    assert h.wait(timeout=30) == [0.2, 0.2]
+    assert len(h.wall_times) == 2 and all(0.2 <= w < 2.0 for w in h.wall_times)
+    assert h.done()
+
+
+def test_on_ranks_and_per_rank_args(calc):
+    assert calc.on(1).whoami().wait() == [1]
+    assert calc.on([1, 0]).whoami().wait() == [1, 0]
+    assert calc.call_per_rank("add", [(10,), (20,)]).wait() == [110, 121]
+    assert calc.on([1]).call_per_rank("add", [(5,)]).wait() == [106]
+    with pytest.raises(ValueError, match="2 argument tuples for 1 rank"):
+        calc.on(0).call_per_rank("add", [(1,), (2,)])
+    with pytest.raises(ValueError, match="ranks must be in 0..1"):
+        calc.on(2)
+
+
+def test_unknown_method_is_an_attribute_error(calc):
+    with pytest.raises(AttributeError, match="has no remote method 'nope'"):
+        calc.nope()
+    with pytest.raises(AttributeError):
+        calc.device_phase("x")
+
+
+def test_calls_run_in_order(calc):
+    handles = [calc.append(i) for i in range(20)]
+    wait_all(handles, timeout=30)
+    assert calc.get_log().wait() == [list(range(20))] * 2
+
+
+def test_process_is_bound_to_its_device(cluster, calc):
+    for rank, info in enumerate(calc.info().wait()):
+        device = cluster.device(rank)
+        assert info["cores"] == list(device.cores)
+        assert info["num_threads"] == len(device.cores)
+        assert info["env"]["RANK"] == str(rank) and info["env"]["WORLD_SIZE"] == "2"
+        assert info["env"]["LOCAL_RANK"] == str(rank) and info["env"]["M2FLOW_COMPONENT"] == "calc"
+        assert info["pid"] != os.getpid()
+
+
+def test_remote_exception_names_component_rank_and_traceback(calc):
+    with pytest.raises(WorkerError) as err:
+        calc.on(1).fail("bad input 42").wait(timeout=30)
+    e = err.value
+    assert (e.component, e.rank, e.exc_type) == ("calc", 1, "ValueError")
+    text = str(e)
+    assert "calc rank 1" in text and "fail() raised ValueError: bad input 42" in text
+    assert "remote traceback" in text and "test_group.py" in text and "raise ValueError(message)" in text
+    assert calc.whoami().wait() == [0, 1]  # the worker survives its exception
+
+
+def test_concurrent_method_runs_beside_a_long_call(calc):
+    running = calc.run_until_stopped(20)
+    queued = calc.whoami()  # a plain method waits for the running one
+    assert [i["rank"] for i in calc.info().wait(timeout=10)] == [0, 1]  # info() is @concurrent
+    time.sleep(0.2)
+    assert not running.done() and not queued.done()
+    calc.stop().wait(timeout=10)
+    assert running.wait(timeout=10) == [True, True]
+    assert queued.wait(timeout=10) == [0, 1]
+
+
+def test_spans_are_gathered_from_all_ranks(calc):
+    calc.traced(7).wait()
+    spans = [s for s in calc.spans() if s["phase"] == "work" and s["step"] == 7]
+    assert sorted((s["rank"], tuple(s["devices"])) for s in spans) == [(0, (0,)), (1, (1,))]
+    assert all(s["component"] == "calc" and s["end"] > s["start"] for s in spans)
+
+
+def test_gloo_all_reduce_across_two_ranks(calc):
+    assert calc.call_per_rank("allreduce", [(1,), (2,)]).wait(timeout=60) == [3.0, 3.0]
+
+
+def test_constructor_error_fails_launch(cluster):
+    with pytest.raises(WorkerError, match="bad rank 0: __init__\\(\\) raised RuntimeError: cannot start on rank 0"):
+        Group.launch(BadInit, cluster, ComponentPlacement("bad", ((1,),)))
+
+
+def test_sigkill_surfaces_as_worker_error_and_wait_all_fails_fast(cluster):
+    victims = Victim.launch(cluster, ComponentPlacement("victim", ((0,), (1,))))
+    try:
+        pids = victims.pid().wait(timeout=30)
+        blocked = victims.on(0).block(60)  # stands in for a consumer whose producer will never send
+        dying = victims.on(1).block(60)
+        time.sleep(0.2)
+        start = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerError) as err:
+            wait_all([blocked, dying], timeout=60)
+        assert time.monotonic() - start < 30
+        assert err.value.rank == 1 and err.value.component == "victim"
+        assert "process died" in str(err.value) and str(pids[1]) in str(err.value)
+        assert not blocked.done()
+        with pytest.raises(WorkerError, match="victim rank 1: process died"):
+            victims.on(1).pid().wait(timeout=30)  # later calls fail at once too
+        with pytest.raises(WorkerError):
+            dying.wait()  # the same error again, no hang
+    finally:
+        victims.kill()
+    with pytest.raises(WorkerError, match="victim rank 0: process died"):
+        blocked.wait(timeout=30)

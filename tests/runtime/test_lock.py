@@ -1,0 +1,127 @@
+"""Device locks on real Ray: collocated groups take turns, disaggregated ones overlap; FIFO, re-entrant,
+and a dead holder does not block the others."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from m2flow.runtime import ComponentPlacement, Worker, WorkerError, wait_all
+
+
+class Turns(Worker):
+    def work(self, n, seconds):
+        for i in range(n):
+            with self.device_phase("work", step=i):
+                time.sleep(seconds)
+
+    def nested(self):
+        with self.device_phase("outer"):
+            with self.device_phase("inner"):
+                return True
+
+    def hold(self, seconds):
+        with self.device_phase("hold"):
+            time.sleep(seconds)
+
+    def pid(self):
+        return os.getpid()
+
+
+@pytest.fixture(scope="module")
+def groups(cluster):
+    a = Turns.launch(cluster, ComponentPlacement("a", ((0,),)))
+    b = Turns.launch(cluster, ComponentPlacement("b", ((0,),)))  # shares device 0 with a
+    c = Turns.launch(cluster, ComponentPlacement("c", ((1,),)))  # device 1 only
+    yield a, b, c
+    for g in (a, b, c):
+        g.kill()
+
+
+def _work_spans(*groups):
+    return sorted((s for g in groups for s in g.spans(clear=True) if s["phase"] == "work"), key=lambda s: s["start"])
+
+
+def test_collocated_groups_never_overlap_on_their_device(groups):
+    a, b, _ = groups
+    _work_spans(a, b)
+    wait_all([a.work(6, 0.05), b.work(6, 0.05)], timeout=60)
+    spans = _work_spans(a, b)
+    assert len(spans) == 12 and all(s["devices"] == [0] and s["locked"] for s in spans)
+    for prev, nxt in zip(spans, spans[1:]):
+        assert prev["end"] <= nxt["start"], f"{prev} overlaps {nxt}"
+    switches = sum(p["component"] != n["component"] for p, n in zip(spans, spans[1:]))
+    assert switches >= 3  # FIFO: a waiting group gets the device before the holder takes it again
+
+
+def test_disaggregated_groups_overlap(groups):
+    a, _, c = groups
+    _work_spans(a, c)
+    wait_all([a.work(4, 0.2), c.work(4, 0.2)], timeout=60)
+    spans = _work_spans(a, c)
+    on_a = [s for s in spans if s["component"] == "a"]
+    on_c = [s for s in spans if s["component"] == "c"]
+    assert any(x["start"] < y["end"] and y["start"] < x["end"] for x in on_a for y in on_c)
+
+
+def test_device_phase_is_reentrant(groups):
+    a, b, _ = groups
+    assert a.nested().wait(timeout=30) == [True]
+    b.work(1, 0).wait(timeout=30)  # the nested phase released the device completely
+    phases = [s["phase"] for s in a.spans(clear=True)]
+    assert phases[-2:] == ["inner", "outer"]
+
+
+def test_lock_api_reentrant_timeout_and_owner_check(cluster):
+    lock = cluster.device_lock(1)
+    assert lock.acquire("x") and lock.acquire("x")
+    assert lock.holder() == "x"
+    assert lock.acquire("y", timeout=0.2) is False
+    lock.release("x")
+    assert lock.acquire("y", timeout=0.2) is False  # still held once
+    lock.release("x")
+    assert lock.acquire("y", timeout=5)
+    with pytest.raises(RuntimeError, match="release by 'x', which does not hold it"):
+        lock.release("x")
+    lock.release("y")
+    assert lock.holder() is None
+
+
+def test_lock_is_fifo(cluster):
+    lock = cluster.device_lock(1)
+    order = []
+
+    def take(owner):
+        lock.acquire(owner, timeout=30)
+        order.append(owner)
+        lock.release(owner)
+
+    lock.acquire("first")
+    threads = []
+    for owner in ["second", "third", "fourth"]:
+        threads.append(threading.Thread(target=take, args=(owner,)))
+        threads[-1].start()
+        time.sleep(0.3)  # queue them in this order
+    lock.release("first")
+    for t in threads:
+        t.join(timeout=30)
+    assert order == ["second", "third", "fourth"]
+
+
+def test_dead_holder_releases_the_device(cluster, groups):
+    a, b, _ = groups
+    lock = cluster.device_lock(0)
+    (pid,) = b.pid().wait(timeout=30)
+    holding = b.hold(120)
+    deadline = time.monotonic() + 30
+    while not (lock.holder() or "").startswith("b/") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    waiting = a.work(1, 0)
+    time.sleep(0.5)
+    assert not waiting.done()
+    os.kill(pid, signal.SIGKILL)
+    waiting.wait(timeout=15)  # a gets the device once b's process is gone
+    with pytest.raises(WorkerError, match="b rank 0: process died"):
+        holding.wait(timeout=15)

@@ -1,0 +1,60 @@
+"""A simulated two-node Ray cluster (ray.cluster_utils): devices are listed per node and ranks land on both.
+
+It needs its own Ray instance, so it runs in a subprocess (apart from the session `cluster` fixture).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent('''
+    import ray
+    from ray.cluster_utils import Cluster as RayCluster
+
+    from m2flow.runtime import Cluster, Worker, parse_placement
+
+    class Where(Worker):
+        def where(self):
+            with self.device_phase("probe"):  # each node's device lock server answers
+                return self.info()
+
+        def allreduce(self, x):
+            import torch, torch.distributed as dist
+            self.init_process_group()
+            t = torch.tensor([float(x)])
+            dist.all_reduce(t)
+            return t.item()
+
+    nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    nodes.add_node(num_cpus=1)
+    nodes.wait_for_nodes()
+    cluster = Cluster(address=nodes.address, cpu_devices=1)
+    try:
+        assert len(cluster.nodes) == 2 and cluster.num_devices == 2, cluster
+        assert cluster.device(0).node_id != cluster.device(1).node_id
+        group = Where.launch(cluster, parse_placement("where: all", cluster.num_devices)["where"])
+        infos = group.where().wait(timeout=60)
+        assert [i["node_id"] for i in infos] == [cluster.device(0).node_id, cluster.device(1).node_id], infos
+        assert [i["env"]["LOCAL_RANK"] for i in infos] == ["0", "0"]
+        assert group.call_per_rank("allreduce", [(1,), (2,)]).wait(timeout=60) == [3.0, 3.0]
+        print("MULTINODE OK", [i["node_id"][:8] for i in infos])
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+''')
+
+
+def test_ranks_are_placed_on_both_nodes(tmp_path):
+    script = tmp_path / "two_nodes.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, cwd=str(tmp_path))
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"two-node run timed out:\n{out[-4000:]}")
+    assert proc.returncode == 0 and "MULTINODE OK" in out, out[-4000:]
