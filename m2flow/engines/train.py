@@ -1,0 +1,200 @@
+"""Training-side math on HF causal LMs: batch collation, per-token logprobs/entropy, and a small SFT loop.
+
+Pure torch on a model object: no runtime, no distributed code, no RL losses (those live in m2flow.algorithms).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Sequence
+
+import torch
+
+
+def collate(samples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad (prompt_ids, response_ids) pairs into one batch.
+
+    Row b is `prompt + response + pad...`; with P = len(prompt), R = len(response), L = max(P + R):
+      input_ids      [B, L] long   tokens, pad_id after P + R
+      attention_mask [B, L] long   1 on the P + R real tokens
+      response_mask  [B, L] float  1 at positions P .. P+R-1, i.e. where the token is a response token
+      position_ids   [B, L] long   0 .. L-1 (right padding keeps every real token at its true position)
+    Masks are *token-aligned*: `token_logprobs(...)[b, t]` is log π(input_ids[b, t] | input_ids[b, :t]),
+    the logprob of the token sitting at t, predicted by the logits at t-1. So a response's logprobs are
+    `out[b, P:P+R]`, in the same order as `Generation.logprobs`.
+    """
+    if not samples:
+        raise ValueError("collate: no samples")
+    for i, (prompt, _) in enumerate(samples):
+        if len(prompt) == 0:
+            raise ValueError(f"collate: sample {i} has an empty prompt (the first response token needs a prefix)")
+    B, L = len(samples), max(len(p) + len(r) for p, r in samples)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    response_mask = torch.zeros((B, L), dtype=torch.float32)
+    for b, (prompt, response) in enumerate(samples):
+        P, R = len(prompt), len(response)
+        input_ids[b, : P + R] = torch.tensor([*prompt, *response], dtype=torch.long)
+        attention_mask[b, : P + R] = 1
+        response_mask[b, P : P + R] = 1.0
+    position_ids = torch.arange(L).expand(B, L).clone()
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+        "position_ids": position_ids,
+    }
+
+
+def _logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Forward pass -> logits [B, L, V] (logits[:, t] predict the token at t + 1)."""
+    device = next(model.parameters()).device
+    out = model(
+        input_ids=batch["input_ids"].to(device),
+        attention_mask=batch["attention_mask"].to(device),
+        position_ids=batch["position_ids"].to(device) if "position_ids" in batch else None,
+        use_cache=False,
+    )
+    return out.logits
+
+
+def _shifted_stats(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool, chunk_rows: int = 8
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [B, L, V], input_ids [B, L] -> token-aligned logprobs [B, L] (and entropy [B, L]); column 0 is 0.
+
+    logprob = z[token] - logsumexp(z) with z = logits / temperature, in float32, a few rows at a time so
+    that only one [chunk_rows, L, V] temporary exists besides the logits.
+    """
+    B, L, _ = logits.shape
+    targets = input_ids[:, 1:].to(logits.device)
+    logps, ents = [], []
+    for start in range(0, B, chunk_rows):
+        z = logits[start : start + chunk_rows, :-1].float() / temperature  # [b, L-1, V]
+        lse = torch.logsumexp(z, dim=-1)
+        logps.append(z.gather(-1, targets[start : start + chunk_rows, :, None]).squeeze(-1) - lse)
+        if with_entropy:
+            ents.append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
+    zero = logits.new_zeros((B, 1), dtype=torch.float32)
+    logp = torch.cat([zero, torch.cat(logps)], dim=1)
+    ent = torch.cat([zero, torch.cat(ents)], dim=1) if with_entropy else None
+    return logp, ent
+
+
+def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """[B, L] float32: log π(input_ids[b, t] | input_ids[b, :t]) at response positions, 0 elsewhere.
+
+    π is softmax(logits / temperature), the same distribution `HFEngine` reports logprobs under.
+    Differentiable: call under torch.no_grad() for inference-only use.
+    """
+    logp, _ = _shifted_stats(_logits(model, batch), batch["input_ids"], temperature, with_entropy=False)
+    return logp * batch["response_mask"].to(logp.device)
+
+
+def token_logprobs_and_entropy(
+    model, batch: dict[str, torch.Tensor], temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, L] logprobs, [B, L] entropy), both token-aligned and 0 outside the response.
+
+    entropy[b, t] is the entropy of the distribution that sampled the token at t (logits at t-1).
+    """
+    logp, ent = _shifted_stats(_logits(model, batch), batch["input_ids"], temperature, with_entropy=True)
+    mask = batch["response_mask"].to(logp.device)
+    return logp * mask, ent * mask
+
+
+def sft(
+    model,
+    tokenizer,
+    pairs: Sequence[tuple[str, str]],
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+    progress: bool = True,
+    warmup_steps: int | None = None,
+    schedule: str = "cosine",
+    weight_decay: float = 0.0,
+) -> list[float]:
+    """Fine-tune on prompt -> answer + eos with the loss on answer (and eos) tokens only; returns per-step losses.
+
+    Each step samples `batch_size` pairs (seeded, without replacement within an epoch), AdamW,
+    linear warmup (5% of the steps when None) then cosine decay to 10% of lr (`schedule="constant"` keeps
+    lr flat after warmup). Leaves the model in eval mode.
+    """
+    if not pairs:
+        raise ValueError("sft: no (prompt, answer) pairs")
+    if schedule not in ("cosine", "constant"):
+        raise ValueError(f"sft: schedule must be 'cosine' or 'constant', got {schedule!r}")
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("sft: the tokenizer has no eos_token_id (needed to end answers)")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    encoded = [(_encode(tokenizer, p), _encode(tokenizer, a) + [eos]) for p, a in pairs]
+
+    warmup = steps // 20 if warmup_steps is None else warmup_steps
+    rng = random.Random(seed)
+    order: list[int] = []
+    model.train()
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+    losses: list[float] = []
+    with _progress(progress, steps) as advance:
+        for step in range(steps):
+            for group in optim.param_groups:
+                group["lr"] = lr * _lr_factor(step, steps, warmup, schedule)
+            if len(order) < batch_size:
+                fresh = list(range(len(encoded)))
+                rng.shuffle(fresh)
+                order.extend(fresh)
+            idx, order = order[:batch_size], order[batch_size:]
+            batch = collate([encoded[i] for i in idx], pad)
+            logp = token_logprobs(model, batch)
+            mask = batch["response_mask"].to(logp.device)
+            loss = -(logp * mask).sum() / mask.sum()
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optim.step()
+            losses.append(loss.item())
+            advance(loss.item())
+    model.eval()
+    return losses
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _lr_factor(step: int, steps: int, warmup: int, schedule: str) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    t = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+
+class _progress:
+    """Context manager yielding advance(loss): a rich progress bar when enabled, else a no-op."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total = enabled, total
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda loss: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(
+            TextColumn("sft"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
+            TimeRemainingColumn(),
+        )
+        self.bar.start()
+        task = self.bar.add_task("sft", total=self.total, loss=float("nan"))
+        return lambda loss: self.bar.update(task, advance=1, loss=loss)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.stop()
+        return False

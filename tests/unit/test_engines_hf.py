@@ -1,0 +1,213 @@
+"""HF model directory, HFEngine generation contract, and the training-side logprobs/collate/SFT."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from m2flow.engines.base import SamplingParams
+from m2flow.engines.hf import HFEngine, init_tiny_model, load_model, load_tokenizer
+from m2flow.engines.train import collate, sft, token_logprobs, token_logprobs_and_entropy
+from m2flow.workloads.reasoning.synthetic import arithmetic
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and far more steadily on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return init_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", arch="qwen2", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    return load_tokenizer(tiny_dir)
+
+
+@pytest.fixture()
+def model(tiny_dir):
+    return load_model(tiny_dir)
+
+
+def _prompts(tok):
+    return [tok(p)["input_ids"] for p in ("12+34=", "5*6=", "1234567+89=")]  # different lengths: left padding
+
+
+# ---------------------------------------------------------------------------------------------- model directory
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_tiny_model_dir_round_trips(tmp_path, arch):
+    d = init_tiny_model(tmp_path / arch, arch=arch, hidden_size=32, num_heads=4, num_kv_heads=2)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (d / name).is_file(), name
+    tok, model = load_tokenizer(d), load_model(d)
+    ids = tok("12+34=")["input_ids"]
+    assert len(ids) == 6 and tok.convert_ids_to_tokens(ids) == list("12+34=")
+    text = "Q: 12 + 34 = ?\nA: 46."
+    assert tok.decode(tok(text)["input_ids"]) == text
+    assert tok.eos_token_id == model.config.eos_token_id == 2
+    assert tok.pad_token_id == model.config.pad_token_id == 0
+    assert tok.decode([tok.eos_token_id]) == "<eos>"
+    assert tok.chat_template is None
+    assert json.loads((d / "config.json").read_text())["model_type"] == arch
+    out = HFEngine(model, tok).generate([ids], SamplingParams(max_new_tokens=4, temperature=0))
+    assert len(out[0][0].response_ids) == 4
+
+
+def test_same_seed_same_weights(tmp_path):
+    a = load_model(init_tiny_model(tmp_path / "a", seed=3))
+    b = load_model(init_tiny_model(tmp_path / "b", seed=3))
+    c = load_model(init_tiny_model(tmp_path / "c", seed=4))
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def test_load_errors_name_the_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_model(missing)
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_tokenizer(missing)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(empty)
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(empty)
+
+
+# ---------------------------------------------------------------------------------------------- HFEngine
+
+
+def test_greedy_is_deterministic(model, tok):
+    engine = HFEngine(model, tok)
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=0)
+    a = engine.generate(_prompts(tok), params)
+    b = engine.generate(_prompts(tok), params)
+    assert [[g.response_ids for g in grp] for grp in a] == [[g.response_ids for g in grp] for grp in b]
+    assert all(grp[0].response_ids == grp[1].response_ids for grp in a)
+
+
+def test_seeded_sampling_is_reproducible(model, tok):
+    engine = HFEngine(model, tok)
+    params = lambda seed: SamplingParams(n=2, max_new_tokens=8, seed=seed)
+    ids = lambda seed: [g.response_ids for grp in engine.generate(_prompts(tok), params(seed)) for g in grp]
+    assert ids(1) == ids(1)
+    assert ids(1) != ids(2)
+    assert ids(None) != ids(None)  # unseeded calls keep drawing from the global RNG
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_training_forward(model, tok, temperature):
+    engine = HFEngine(model, tok)
+    params = SamplingParams(n=2, max_new_tokens=10, temperature=temperature, seed=0, stop_token_ids=[tok.eos_token_id])
+    gens = [g for grp in engine.generate(_prompts(tok), params) for g in grp]
+    batch = collate([(g.prompt_ids, g.response_ids) for g in gens], tok.pad_token_id)
+    with torch.no_grad():
+        train_lp = token_logprobs(model, batch, temperature=temperature)
+    for b, g in enumerate(gens):
+        P, R = len(g.prompt_ids), len(g.response_ids)
+        assert len(g.logprobs) == R
+        diff = (train_lp[b, P : P + R] - torch.tensor(g.logprobs)).abs().max().item()
+        assert diff < 1e-4, (b, diff)
+
+
+def test_stop_tokens_end_responses(model, tok):
+    engine = HFEngine(model, tok)
+    vocab = list(range(len(tok)))
+    everything = engine.generate(_prompts(tok), SamplingParams(n=2, max_new_tokens=8, stop_token_ids=vocab, seed=0))
+    for grp in everything:
+        for g in grp:
+            assert len(g.response_ids) == 1 and g.finish_reason == "stop"
+    stops = vocab[::3]  # a third of the vocabulary: some samples stop early, some may not
+    gens = [g for grp in engine.generate(_prompts(tok), SamplingParams(n=4, max_new_tokens=8, stop_token_ids=stops, seed=0)) for g in grp]
+    assert any(g.finish_reason == "stop" and len(g.response_ids) < 8 for g in gens)
+    for g in gens:
+        assert not any(t in stops for t in g.response_ids[:-1])  # cut right after the first stop token
+        assert g.finish_reason == ("stop" if g.response_ids[-1] in stops else "length")
+        assert g.finish_reason == "stop" or len(g.response_ids) == 8
+        assert len(g.logprobs) == len(g.response_ids)
+    free = engine.generate(_prompts(tok), SamplingParams(max_new_tokens=8, stop_token_ids=(), seed=0))
+    assert all(grp[0].finish_reason == "length" and len(grp[0].response_ids) == 8 for grp in free)
+
+
+def test_groups_and_callback_per_prompt(model, tok):
+    engine = HFEngine(model, tok, chunk_size=2)
+    prompts = _prompts(tok)
+    seen = []
+    out = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=5, seed=0), on_group_done=lambda i, grp: seen.append((i, grp)))
+    assert [i for i, _ in seen] == [0, 1, 2]
+    assert len(out) == 3
+    for i, grp in enumerate(out):
+        assert seen[i][1] is grp
+        assert [g.sample_index for g in grp] == [0, 1, 2]
+        assert all(g.prompt_index == i and g.prompt_ids == list(prompts[i]) for g in grp)
+
+
+def test_update_weights_in_place(tmp_path, model, tok):
+    engine = HFEngine(model, tok)
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=1.0, seed=0)
+    flat = lambda out: [(g.response_ids, g.logprobs) for grp in out for g in grp]
+    before = flat(engine.generate(_prompts(tok), params))
+    other_model = load_model(init_tiny_model(tmp_path / "other", seed=123))
+    ptr = model.model.embed_tokens.weight.data_ptr()
+    engine.update_weights(other_model.state_dict())
+    assert engine.model is model and model.model.embed_tokens.weight.data_ptr() == ptr
+    after = flat(engine.generate(_prompts(tok), params))
+    assert after != before
+    assert after == flat(HFEngine(other_model, tok).generate(_prompts(tok), params))
+    embed_only = {"model.embed_tokens.weight": torch.zeros_like(model.model.embed_tokens.weight)}
+    engine.update_weights(embed_only)  # a partial dict updates only its keys; the tied lm_head follows
+    assert torch.equal(model.lm_head.weight, embed_only["model.embed_tokens.weight"])
+    assert torch.equal(model.model.norm.weight, other_model.model.norm.weight)
+    with pytest.raises(KeyError, match="unknown keys \\['bogus'\\]"):
+        engine.update_weights({"bogus": torch.zeros(1)})
+
+
+# ---------------------------------------------------------------------------------------------- training side
+
+
+def test_collate_alignment_by_hand():
+    batch = collate([([5, 6], [7, 8, 9]), ([4], [3])], pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [4, 3, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert batch["response_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4]] * 2
+    with pytest.raises(ValueError, match="empty prompt"):
+        collate([([], [1])], pad_id=0)
+
+
+def test_token_logprobs_and_entropy_vs_naive_loop(model):
+    samples = [([5, 6, 7], [8, 9]), ([10], [11, 12, 13])]
+    batch = collate(samples, pad_id=0)
+    T = 0.7
+    with torch.no_grad():
+        lp, ent = token_logprobs_and_entropy(model, batch, temperature=T)
+        assert torch.allclose(lp, token_logprobs(model, batch, temperature=T))
+        for b, (prompt, response) in enumerate(samples):
+            seq = prompt + response
+            assert lp[b, : len(prompt)].abs().sum() == 0 and lp[b, len(seq) :].abs().sum() == 0
+            for t in range(len(prompt), len(seq)):
+                logits = model(torch.tensor([seq[:t]])).logits[0, -1] / T
+                dist = torch.log_softmax(logits, -1)
+                assert abs(lp[b, t].item() - dist[seq[t]].item()) < 1e-5
+                assert abs(ent[b, t].item() + (dist.exp() * dist).sum().item()) < 1e-5
+
+
+def test_sft_lowers_loss_on_arithmetic(model, tok):
+    pairs = [(r["prompt"], r["solution"]) for r in arithmetic(500, seed=0)]
+    start = time.time()
+    losses = sft(model, tok, pairs, steps=60, batch_size=32, lr=3e-3, seed=0, progress=False, warmup_steps=5)
+    assert len(losses) == 60 and time.time() - start < 60
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
