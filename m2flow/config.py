@@ -164,7 +164,7 @@ def parse_overrides(overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key.sub=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _scalar(raw)
         node = out
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -173,6 +173,21 @@ def parse_overrides(overrides: list[str]) -> dict:
                 raise ConfigError(f"override '{item}' conflicts with an earlier override of '{part}'")
         node[parts[-1]] = value
     return out
+
+
+def _scalar(raw: str) -> Any:
+    """A YAML scalar, plus the numbers YAML 1.1 leaves as strings ('2e-3'); text YAML can't parse
+    (e.g. a placement 'rollout: 0; actor: 1') stays a string."""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        return raw.strip()
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def merge(base: dict, extra: dict) -> dict:
@@ -326,6 +341,13 @@ class ActorConfig:
 
 
 @dataclass
+class SFTConfig:
+    steps: int = opt(0, "supervised warm-start steps on the task's reference answers before RL (0: none)")
+    batch_size: int = opt(64, "SFT batch size")
+    lr: float = opt(3e-3, "SFT learning rate (cosine decay)")
+
+
+@dataclass
 class ReasoningConfig:
     run: RunConfig = section(RunConfig, "run name, seed, steps, checkpoints")
     cluster: ClusterConfig = section(ClusterConfig, "Ray cluster and placement")
@@ -335,9 +357,146 @@ class ReasoningConfig:
     reward: RewardConfig = section(RewardConfig, "scoring")
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "advantages and losses")
     actor: ActorConfig = section(ActorConfig, "policy (and critic) training")
+    sft: SFTConfig = section(SFTConfig, "supervised warm start")
 
     def validate(self, where: str) -> None:
         if self.algorithm.name not in ("grpo", "ppo"):
             raise ConfigError(f"algorithm.name must be grpo | ppo, got '{self.algorithm.name}'")
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be >= 2 for grpo (advantages are relative within a group)")
+
+
+# ---------------------------------------------------------------------------------------------- embodied
+
+
+@dataclass
+class EmbodiedRunConfig(RunConfig):
+    name: str = opt("ppo", "run name: outputs go to <dir>/<name>/")
+    steps: int = opt(50, "training iterations: one rollout of rollout.steps per env, then one update")
+    stop_return: float | None = opt(None, "stop early once the mean return of the last stop_window episodes reaches this")
+    stop_window: int = opt(20, "episodes averaged for stop_return (and for the progress bar)")
+    trace_every: int = opt(50, "per-stage env/policy spans on the first two iterations and every N-th (0: first two)")
+
+    def validate(self, where: str) -> None:
+        super().validate(where)
+        if self.stop_window < 1 or self.trace_every < 0:
+            raise ConfigError(f"{where}.stop_window must be >= 1 and {where}.trace_every >= 0")
+
+
+@dataclass
+class EmbodiedClusterConfig(ClusterConfig):
+    placement: Any = opt("env,rollout,actor: 0", "component -> devices: 'env,rollout,actor: 0' (collocated, lockstep), "
+                         "'env: 0; rollout: 1; actor: 0-1:0' (hybrid), 'env: 0-1; rollout,actor: 0' (two env workers)")
+
+
+@dataclass
+class EnvConfig:
+    id: str = opt("CartPole-v1", "gymnasium env id (classic control, MuJoCo, or 'module:Env-v0')")
+    num_envs: int = opt(8, "envs in total, split evenly over the env workers")
+    pipeline_stages: int = opt(1, "env groups per env worker: the policy infers for one while the simulator steps "
+                               "another (1: lockstep)")
+    seed_groups: int = opt(1, "consecutive envs that share a reset seed (the groups of embodied GRPO)")
+    norm_obs: bool = opt(False, "normalize observations by running mean/std (saved in checkpoints)")
+    norm_reward: bool = opt(False, "scale rewards by the running std of discounted returns (saved in checkpoints)")
+    clip_obs: float = opt(10.0, "clip normalized observations to [-c, c]")
+    clip_reward: float = opt(10.0, "clip scaled rewards to [-c, c]")
+    chunk: int = opt(1, "actions per policy call (action chunks): one learner step of up to `chunk` env steps")
+    pixels: bool = opt(False, "observe rendered frames [3, image_size, image_size] uint8 (with policy.kind=cnn)")
+    image_size: int = opt(64, "side of the pixel observations")
+    max_episode_steps: int | None = opt(None, "override the env's time limit (None: the registered one)")
+    kwargs: dict = opt({}, "extra keyword arguments for gymnasium.make, e.g. {ctrl_cost_weight: 0.1}")
+
+    def validate(self, where: str) -> None:
+        for name in ("num_envs", "pipeline_stages", "seed_groups", "chunk", "image_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_envs % self.seed_groups:
+            raise ConfigError(f"{where}.seed_groups={self.seed_groups} must divide {where}.num_envs={self.num_envs}")
+
+
+@dataclass
+class PolicyConfig:
+    kind: str = opt("mlp", "mlp (state obs) | cnn (pixel obs, Nature-CNN encoder)")
+    hidden: list[int] = opt([64, 64], "MLP hidden sizes (separate actor and critic networks)")
+    activation: str = opt("tanh", "MLP activation: tanh | relu | gelu | elu")
+    log_std_init: float = opt(0.0, "initial log std of Gaussian actions")
+    ortho_init: bool = opt(True, "orthogonal init (False: torch's default init, as SB3's ortho_init=False)")
+    features_dim: int = opt(512, "CNN encoder output width")
+
+    def validate(self, where: str) -> None:
+        if self.kind not in ("mlp", "cnn"):
+            raise ConfigError(f"{where}.kind must be mlp | cnn, got '{self.kind}'")
+        if self.activation not in ("tanh", "relu", "gelu", "elu"):
+            raise ConfigError(f"{where}.activation must be tanh | relu | gelu | elu, got '{self.activation}'")
+
+
+@dataclass
+class EmbodiedRolloutConfig:
+    steps: int = opt(128, "policy steps per env per iteration (SB3's n_steps)")
+    deterministic: bool = opt(False, "act with the distribution's mode instead of sampling (for tests)")
+
+    def validate(self, where: str) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"{where}.steps must be >= 1, got {self.steps}")
+
+
+@dataclass
+class EmbodiedAlgorithmConfig:
+    name: str = opt("ppo", "ppo (GAE) | grpo (group-relative outcome advantages over envs sharing a reset seed)")
+    gamma: float = opt(0.99, "discount")
+    lam: float = opt(0.95, "GAE lambda")
+    clip: float = opt(0.2, "PPO clip range")
+    anneal_clip: bool = opt(False, "decay the clip range linearly to 0 over the run")
+    clip_vf: float | None = opt(None, "value clip range around the rollout values (None: off)")
+    vf_coef: float = opt(0.5, "weight of the value MSE, mean((V - R)^2), in the loss")
+    ent_coef: float = opt(0.0, "entropy bonus")
+    norm_adv: bool = opt(True, "normalize advantages per minibatch")
+    target_kl: float | None = opt(None, "stop the epochs once a minibatch's approx KL exceeds 1.5 x this (None: off)")
+    score: str = opt("auto", "grpo outcome per env: success (success_once) | return | auto (success if reported)")
+
+    def validate(self, where: str) -> None:
+        if self.name not in ("ppo", "grpo"):
+            raise ConfigError(f"{where}.name must be ppo | grpo, got '{self.name}'")
+        if self.score not in ("auto", "success", "return"):
+            raise ConfigError(f"{where}.score must be auto | success | return, got '{self.score}'")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1 and 0 < self.clip < 1):
+            raise ConfigError(f"{where}: need 0 <= gamma, lam <= 1 and 0 < clip < 1")
+
+
+@dataclass
+class EmbodiedActorConfig:
+    lr: float = opt(3e-4, "Adam learning rate")
+    anneal_lr: bool = opt(False, "decay the learning rate linearly to 0 over the run")
+    adam_eps: float = opt(1e-5, "Adam epsilon")
+    epochs: int = opt(10, "passes over each rollout")
+    minibatch_size: int = opt(64, "samples per gradient step (SB3's batch_size)")
+    grad_clip: float = opt(0.5, "max gradient norm")
+
+    def validate(self, where: str) -> None:
+        if self.epochs < 1 or self.minibatch_size < 1 or self.lr <= 0:
+            raise ConfigError(f"{where}: epochs and minibatch_size must be >= 1 and lr > 0")
+
+
+@dataclass
+class EmbodiedEvalConfig:
+    episodes: int = opt(10, "deterministic evaluation episodes on the final checkpoint (0: none)")
+    num_envs: int = opt(8, "envs stepped together during evaluation")
+    seed: int = opt(10_000, "reset seed of the evaluation episodes")
+
+
+@dataclass
+class EmbodiedConfig:
+    run: EmbodiedRunConfig = section(EmbodiedRunConfig, "run name, seed, iterations, checkpoints")
+    cluster: EmbodiedClusterConfig = section(EmbodiedClusterConfig, "Ray cluster and placement of env, rollout, actor")
+    env: EnvConfig = section(EnvConfig, "gymnasium envs, normalization, pipeline stages")
+    policy: PolicyConfig = section(PolicyConfig, "the actor-critic")
+    rollout: EmbodiedRolloutConfig = section(EmbodiedRolloutConfig, "rollout length")
+    algorithm: EmbodiedAlgorithmConfig = section(EmbodiedAlgorithmConfig, "advantages and losses")
+    actor: EmbodiedActorConfig = section(EmbodiedActorConfig, "optimization")
+    eval: EmbodiedEvalConfig = section(EmbodiedEvalConfig, "evaluation after training")
+
+    def validate(self, where: str) -> None:
+        if self.policy.kind == "cnn" and not self.env.pixels:
+            raise ConfigError("policy.kind=cnn needs env.pixels=true (frames as observations)")
+        if self.algorithm.name == "grpo" and self.env.seed_groups < 2:
+            raise ConfigError("algorithm.name=grpo needs env.seed_groups >= 2 (advantages are relative within a group)")

@@ -49,7 +49,7 @@ class RolloutWorker(Worker):
             p = prompts[i]
             tokens += sum(len(g.response_ids) for g in group)
             out.put({
-                "index": p["index"], "prompt_ids": list(p["ids"]), "answer": p["answer"],
+                "index": p["index"], "prompt_ids": list(p["prompt_ids"]), "answer": p["answer"],
                 "responses": [g.response_ids for g in group], "logprobs": [g.logprobs for g in group],
                 "texts": [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in group],
                 "finish": [g.finish_reason for g in group], "version": self.version,
@@ -57,7 +57,7 @@ class RolloutWorker(Worker):
 
         with self.device_phase("generate", step):
             start = time.perf_counter()
-            self.engine.generate([p["ids"] for p in prompts], params, on_group_done=emit)
+            self.engine.generate([p["prompt_ids"] for p in prompts], params, on_group_done=emit)
             seconds = time.perf_counter() - start
         out.put(END)
         return {"rollout/tokens": tokens, "rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
@@ -70,7 +70,7 @@ class RolloutWorker(Worker):
         return state_digest(self.model.state_dict())
 
     def evaluate(self, problems: list[dict], k: int, reward_fn: str, temperature: float = 1.0) -> dict:
-        """Greedy pass@1 and sampled pass@k over held-out problems {ids, answer}."""
+        """Greedy pass@1 and sampled pass@k over held-out problems {prompt_ids, answer}."""
         from m2flow.workloads.reasoning.evaluate import evaluate
 
         with self.device_phase("evaluate"):

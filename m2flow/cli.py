@@ -1,0 +1,129 @@
+"""The `m2flow` command: demo | train | eval | sft | init-model | plan. Parses arguments and calls flows."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="m2flow", description="RL training with macro-to-micro flow transformation")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="the main job: tiny model, SFT warm start, GRPO, held-out accuracy before -> after")
+    d.add_argument("overrides", nargs="*", help="config overrides, e.g. run.steps=10")
+
+    t = sub.add_parser("train", help="train from a YAML config or preset, with dotted overrides")
+    t.add_argument("config", help="YAML file or preset name in configs/")
+    t.add_argument("overrides", nargs="*", help="e.g. run.steps=50 cluster.placement='rollout: 0; actor,inference,reward: 1'")
+    t.add_argument("--help-config", action="store_true", help="list every config field with its default and meaning")
+
+    e = sub.add_parser("eval", help="held-out greedy pass@1 and sampled pass@k of a model directory or checkpoint")
+    e.add_argument("model", help="HF model directory, or a checkpoint directory holding model/")
+    e.add_argument("overrides", nargs="*", help="data.* overrides choosing the task, e.g. data.digits=2")
+    e.add_argument("--k", type=int, default=8)
+    e.add_argument("--limit", type=int, default=None, help="evaluate only the first N held-out problems")
+
+    s = sub.add_parser("sft", help="supervised warm start on prompt -> answer pairs")
+    s.add_argument("model", help="HF model directory to start from")
+    s.add_argument("out", help="where to write the fine-tuned model directory")
+    s.add_argument("overrides", nargs="*", help="data.* overrides choosing the task")
+    s.add_argument("--steps", type=int, default=600)
+    s.add_argument("--batch-size", type=int, default=64)
+    s.add_argument("--lr", type=float, default=3e-3)
+
+    i = sub.add_parser("init-model", help="write a tiny HF model directory (random weights, character tokenizer)")
+    i.add_argument("out")
+    i.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    i.add_argument("--hidden", type=int, default=64)
+    i.add_argument("--layers", type=int, default=2)
+    i.add_argument("--seed", type=int, default=0)
+
+    pl = sub.add_parser("plan", help="search execution plans for N devices from a profile table (no cluster needed)")
+    pl.add_argument("--profile", required=True, help="profile JSON (m2flow profile output, or hand-made)")
+    pl.add_argument("--devices", type=int, required=True, help="devices of the cluster to plan for")
+    pl.add_argument("--batch", type=int, default=None, help="samples per step (default: the profile's)")
+    pl.add_argument("--out", default=None, help="folder for plan_<N>dev.yaml and the predicted timeline PNG")
+    pl.add_argument("--top", type=int, default=10, help="candidates to list")
+
+    args = p.parse_args(argv)
+    from m2flow.config import ConfigError
+
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as err:
+        print(f"m2flow: config error: {err}", file=sys.stderr)
+        return 2
+
+
+def cmd_demo(args) -> int:
+    from m2flow.flows.demo import run_demo
+
+    run_demo(args.overrides)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from m2flow import config as C
+
+    data = C.read_yaml(C.resolve_path(args.config))
+    flow = data.get("flow", "reasoning")
+    if flow == "reasoning":
+        from m2flow.flows.reasoning import train
+
+        cls = C.ReasoningConfig
+    elif flow == "embodied":
+        from m2flow.flows.embodied import train
+
+        cls = C.EmbodiedConfig
+    else:
+        raise C.ConfigError(f"config '{args.config}': flow must be reasoning | embodied, got '{flow}'")
+    if args.help_config:
+        for name, default, text in C.describe(cls):
+            print(f"{name:32s} {default!s:18s} {text}")
+        return 0
+    cfg = C.load(cls, data, args.overrides)
+    result = train(cfg)
+    print(f"run directory: {result['run_dir']}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from m2flow import config as C
+    from m2flow.flows.demo import evaluate_model
+
+    result = evaluate_model(args.model, C.load(C.ReasoningConfig, None, args.overrides), k=args.k, limit=args.limit)
+    for key, value in result.items():
+        print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from m2flow import config as C
+    from m2flow.flows.reasoning import sft_model
+
+    cfg = C.load(C.ReasoningConfig, None, args.overrides + [f"sft.steps={args.steps}", f"sft.batch_size={args.batch_size}", f"sft.lr={args.lr}"])
+    sft_model(args.model, args.out, cfg)
+    print(f"fine-tuned model: {args.out}")
+    return 0
+
+
+def cmd_init_model(args) -> int:
+    from m2flow.engines.hf import init_tiny_model
+
+    path = init_tiny_model(args.out, arch=args.arch, hidden_size=args.hidden, num_layers=args.layers, seed=args.seed)
+    print(f"tiny model: {path}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from m2flow.scheduler.search import plan_command
+
+    print(plan_command(args.profile, args.devices, args.out, batch=args.batch, top=args.top))
+    return 0
+
+
+COMMANDS = {"plan": cmd_plan, "demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "sft": cmd_sft, "init-model": cmd_init_model}
+
+if __name__ == "__main__":
+    sys.exit(main())

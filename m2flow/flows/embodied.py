@@ -1,0 +1,189 @@
+"""Embodied RL (PPO / GRPO in gymnasium simulators): the macro flow, one driver for every plan.
+
+env workers <-> policy workers (each stage's obs and actions through channels) -> actor -> weights back to the
+policy workers. Lockstep or pipelined stages, collocated or hybrid placement, one env worker or several: all of it
+lives in the config and the plan, not here. `evaluate_checkpoint` runs a saved policy deterministically.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from m2flow import config as C
+from m2flow.config import EmbodiedConfig
+from m2flow.flows.outputs import RunDir, progress
+from m2flow.runtime import Channel, Cluster, wait_all
+from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
+from m2flow.scheduler.plan import make_plan
+from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
+from m2flow.workers.env import EnvWorker, make_env_group, video_recorder
+from m2flow.workers.policy import PolicyWorker, make_policy
+
+COMPONENTS = ["env", "rollout", "actor"]
+PLOTS = {
+    "return": ["rollout/return", "rollout/return_window"],
+    "success": ["rollout/success_once"],
+    "losses": ["actor/pg_loss", "actor/vf_loss", "actor/entropy"],
+    "kl_clip": ["actor/approx_kl", "actor/clipfrac", "actor/explained_var"],
+    "throughput": ["throughput/env_steps_per_s", "throughput/rollout_env_steps_per_s"],
+    "seconds": ["time/iteration", "time/rollout", "time/update", "time/weight_sync"],
+}
+
+
+def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
+    """Run up to `cfg.run.steps` iterations (rollout, update, weight sync); returns the last metrics and the run dir."""
+    run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
+    cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices)
+    stages = cfg.env.pipeline_stages
+    plan = make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, cfg.env.num_envs,
+                     -(-cfg.env.num_envs // stages))
+    (run.path / "plan.yaml").write_text(yaml.safe_dump({**plan.to_dict(), "pipeline_stages": stages}, sort_keys=False))
+
+    env = EnvWorker.launch(cluster, plan["env"], cfg, run_dir=str(run.path))
+    obs_space, action_space = env.on(0).spaces().wait()[0]
+    rollout = PolicyWorker.launch(cluster, plan["rollout"], cfg, obs_space, action_space, run_dir=str(run.path))
+    actor = EmbodiedActorWorker.launch(cluster, plan["actor"], cfg, obs_space, action_space, run_dir=str(run.path))
+    groups = [env, rollout, actor]
+    trajectories = Channel.create(f"{run.path.resolve()}:{time.time_ns()}/trajectories")
+    # env worker r asks policy worker r % R for its actions; every actor rank gets every trajectory
+    policy_of = [rollout.on(r % rollout.world_size) for r in range(env.world_size)]
+
+    start, env_steps, recent = 0, 0, deque(maxlen=cfg.run.stop_window)
+    if cfg.run.resume and (found := run.latest_checkpoint()):
+        start, ckpt = found
+        wait_all([actor.load_checkpoint(str(ckpt)), env.load_state(str(ckpt))])
+        state = torch.load(ckpt / "driver.pt", weights_only=False)
+        env_steps, recent = state["env_steps"], deque(state["recent"], maxlen=cfg.run.stop_window)
+        run.drop_metrics_from(start + 1)
+    sync_weights(actor, rollout)
+
+    last, step, saved = {}, start, None
+    try:
+        with progress(cfg.run.progress) as bar:
+            task = bar.add_task(f"{cfg.algorithm.name} {cfg.env.id}", total=cfg.run.steps, completed=start, info="")
+            for step in range(start, cfg.run.steps):
+                t0 = time.perf_counter()
+                trace = cfg.run.trace and (step < 2 or (cfg.run.trace_every > 0 and step % cfg.run.trace_every == 0))
+                env_out, actor_out = wait_all([
+                    env.call_per_rank("rollout", [(policy_of[r], trajectories, cfg.rollout.steps, step,
+                                                   actor.world_size, trace) for r in range(env.world_size)]),
+                    actor.train(trajectories, step, env.world_size),
+                ])
+                t1 = time.perf_counter()
+                sync_weights(actor, rollout)
+                t2 = time.perf_counter()
+                recent.extend(e["return"] for out in env_out for e in out["episodes"])
+                env_steps += sum(out["env_steps"] for out in env_out)
+                last = {**iteration_metrics(env_out, recent), **mean_over_ranks(actor_out), "env_steps": env_steps,
+                        "throughput/env_steps_per_s": sum(o["env_steps"] for o in env_out) / (t2 - t0),
+                        "time/iteration": t2 - t0, "time/weight_sync": t2 - t1}
+                run.log(step + 1, last)
+                stop = (cfg.run.stop_return is not None and len(recent) == recent.maxlen
+                        and last["rollout/return_window"] >= cfg.run.stop_return)
+                if (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0) or step + 1 == cfg.run.steps or stop:
+                    saved = save_checkpoint(run, cfg, step + 1, actor, env, env_steps, recent)
+                bar.update(task, advance=1, info=f"return {last['rollout/return_window']:.1f}  "
+                                                 f"{last['throughput/env_steps_per_s']:.0f} env steps/s")
+                if stop:
+                    break
+        if cfg.run.trace:
+            spans = [s for g in groups for s in g.spans()]
+            write_chrome_trace(spans, run.path / "trace.json")
+            plot_timeline(spans, run.path / "plots" / "timeline.png")
+        run.plot(PLOTS)
+    finally:
+        run.close()
+        for g in groups:
+            g.kill()
+        trajectories.destroy()
+    result = {"metrics": last, "run_dir": str(run.path), "plan": plan.to_dict(), "iterations": step + 1 - start,
+              "checkpoint": str(saved) if saved else None}
+    if cfg.eval.episodes and saved:
+        result["eval"] = evaluate_checkpoint(saved, cfg.eval.episodes)
+        (run.path / "eval.json").write_text(json.dumps(result["eval"], indent=1))
+    return result
+
+
+def sync_weights(actor, rollout) -> None:
+    """Actor rank 0 publishes its weights once; every policy worker loads them in place and must match."""
+    weights = actor.on([0]).publish_weights().wait()[0]
+    if any(d != weights.digest for d in rollout.load_weights(weights).wait()):
+        raise RuntimeError(f"weight sync v{weights.version}: a policy worker's weights differ from the actor's")
+
+
+def iteration_metrics(env_out: list[dict], recent) -> dict:
+    """Episodes finished this iteration (raw return, length, success_once) and where the rollout's time went."""
+    episodes = [e for out in env_out for e in out["episodes"]]
+    steps, rollout_s = sum(o["env_steps"] for o in env_out), max(o["seconds"] for o in env_out)
+    out = {"rollout/episodes": len(episodes), "rollout/return_window": float(np.mean(recent)) if recent else float("nan"),
+           "throughput/rollout_env_steps_per_s": steps / rollout_s, "time/rollout": rollout_s,
+           "env/fps": steps / max(sum(o["env_time"] for o in env_out), 1e-9),
+           "policy/fps": steps / max(sum(o["policy_time"] for o in env_out), 1e-9),
+           **{f"time/{k}": float(np.mean([o[k] for o in env_out])) for k in ("env_time", "policy_time", "wait_time")}}
+    if episodes:
+        out["rollout/return"] = float(np.mean([e["return"] for e in episodes]))
+        out["rollout/length"] = float(np.mean([e["length"] for e in episodes]))
+    flags = [e["success_once"] for e in episodes if "success_once" in e]
+    if flags:
+        out["rollout/success_once"] = float(np.mean(flags))
+    return out
+
+
+def mean_over_ranks(per_rank: list[dict]) -> dict:
+    return {k: float(np.mean([r[k] for r in per_rank])) for k in per_rank[0]}
+
+
+def save_checkpoint(run: RunDir, cfg, step: int, actor, env, env_steps: int, recent) -> Path:
+    """checkpoints/step_N/: policy + optimizer (actor), normalizer state per env worker, driver state, config."""
+    def write(tmp: Path) -> None:
+        wait_all([actor.on([0]).save_checkpoint(str(tmp)), env.save_state(str(tmp))])
+        torch.save({"step": step, "env_steps": env_steps, "recent": list(recent)}, tmp / "driver.pt")
+        C.save_yaml(cfg, tmp / "config.yaml")
+
+    return run.save_checkpoint(step, write)
+
+
+def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | None = None) -> dict:
+    """Run the checkpoint's policy deterministically (mode of the distribution) for `episodes` episodes, each env
+    its first episode per round, with the saved obs normalization frozen. Returns mean/std return, mean length,
+    success rate where the env reports success, and the video folder if `video_dir` (env 0's first episode)."""
+    path = Path(path)
+    cfg = C.load(EmbodiedConfig, C.read_yaml(path / "config.yaml"))
+    n = max(1, min(episodes, cfg.eval.num_envs))
+    render = "rgb_array" if video_dir and not cfg.env.pixels else None
+    group = make_env_group(cfg, n, cfg.eval.seed, training=False, render_mode=render, seed_groups=1,
+                           wrap=video_recorder(video_dir) if video_dir else None)
+    if (path / "env_0.safetensors").exists():
+        from safetensors.torch import load_file
+
+        group.load_state_dict(load_file(str(path / "env_0.safetensors")))
+    policy = make_policy(cfg, group.observation_space, group.action_space).eval()
+    load_policy(policy, path)
+    found: list[dict] = []
+    with torch.no_grad():
+        for rnd in range(-(-episodes // n)):
+            obs, first = group.reset(seed=cfg.eval.seed + rnd * n), {}
+            while len(first) < n:
+                actions = policy.act(torch.as_tensor(obs), deterministic=True)[0]
+                obs = (group.step_chunk(actions) if cfg.env.chunk > 1 else group.step(actions)).obs
+                for e in group.pop_episodes():
+                    first.setdefault(e["env_index"], e)
+            found += [first[i] for i in sorted(first)]
+    group.close()
+    found = found[:episodes]
+    returns = np.array([e["return"] for e in found])
+    out = {"episodes": len(found), "return_mean": float(returns.mean()), "return_std": float(returns.std()),
+           "length_mean": float(np.mean([e["length"] for e in found]))}
+    flags = [e["success_once"] for e in found if "success_once" in e]
+    if flags:
+        out["success_rate"] = float(np.mean(flags))
+    if video_dir:
+        out["video_dir"] = str(video_dir)
+    return out

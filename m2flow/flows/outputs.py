@@ -1,0 +1,132 @@
+"""A run on disk (DESIGN.md): resolved config, metrics.jsonl, TensorBoard, PNG curves, atomic
+checkpoints, trace. Flows call it; it never trains or schedules anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from m2flow import config as C
+
+
+class RunDir:
+    """`runs/NAME/`: a run's outputs. `resume=False` starts fresh files; `resume=True` keeps them."""
+
+    def __init__(self, path: str | Path, cfg, resume: bool = False):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "plots").mkdir(exist_ok=True)
+        (self.path / "checkpoints").mkdir(exist_ok=True)
+        C.save_yaml(cfg, self.path / "config.yaml")
+        self.metrics_path = self.path / "metrics.jsonl"
+        if not resume and self.metrics_path.exists():
+            self.metrics_path.unlink()
+        self._tb = None
+
+    # -- metrics -------------------------------------------------------------------------------
+    def log(self, step: int, metrics: dict) -> None:
+        """Append one line to metrics.jsonl and the scalars to TensorBoard."""
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        tb = self.tensorboard()
+        for k, v in row.items():
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                tb.add_scalar(k, v, step)
+        tb.flush()
+
+    def tensorboard(self):
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.path / "tb"))
+        return self._tb
+
+    def metrics(self) -> list[dict]:
+        if not self.metrics_path.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+    def drop_metrics_from(self, step: int) -> None:
+        """On resume: forget rows of steps that will be redone."""
+        rows = [r for r in self.metrics() if r["step"] < step]
+        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def plot(self, groups: dict[str, list[str]]) -> list[Path]:
+        """One PNG per group of metric keys, e.g. {"reward": ["reward/mean", "reward/accuracy"]}."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows, out = self.metrics(), []
+        for title, keys in groups.items():
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            drawn = False
+            for key in keys:
+                pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+                if pts:
+                    ax.plot(*zip(*pts), marker=".", label=key)
+                    drawn = True
+            if not drawn:
+                plt.close(fig)
+                continue
+            ax.set_xlabel("step")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            path = self.path / "plots" / f"{title.replace('/', '_')}.png"
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            out.append(path)
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, step: int, write: Callable[[Path], None]) -> Path:
+        """`write(tmp_dir)` fills a temporary folder, renamed to checkpoints/step_N at once when complete,
+        so a crash never leaves a half-written checkpoint that resume would pick."""
+        final = self.path / "checkpoints" / f"step_{step}"
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write(tmp)
+        (tmp / "COMPLETE").write_text(str(step))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        return final
+
+    def latest_checkpoint(self) -> tuple[int, Path] | None:
+        """(step, path) of the newest complete checkpoint, or None."""
+        found = []
+        for p in (self.path / "checkpoints").glob("step_*"):
+            if p.is_dir() and (p / "COMPLETE").exists() and p.name[5:].isdigit():
+                found.append((int(p.name[5:]), p))
+        return max(found) if found else None
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _plain(v):
+    try:
+        return v.item()  # 0-dim tensors / numpy scalars
+    except AttributeError:
+        return v
+
+
+def progress(enabled: bool = True):
+    """A rich progress bar (a no-op object when disabled)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TimeRemainingColumn(), TextColumn("{task.fields[info]}"), disable=not enabled, transient=False,
+    )

@@ -1,0 +1,382 @@
+"""Profiler for the reasoning flow (`m2flow profile CONFIG`): runs each component alone, on one device and on two
+(one process spanning both), at a few batch sizes, and writes the profile table the planner reads (docs/planner.md).
+
+Inputs are real: real prompts through the real rollout, whose groups are scored, turned into logprob batches and
+trained on by the real workers, through Channels. It measures; it does not plan (`flows/auto.py` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import pickle
+import shutil
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import torch
+
+from m2flow.engines.hf import load_tokenizer
+from m2flow.runtime import Channel, Cluster, Worker, concurrent, parse_placement
+from m2flow.scheduler.profile import ComponentInfo, Machine, Measurement, Profile, Transfer, Weights
+from m2flow.workers.actor import ActorWorker
+from m2flow.workers.common import END, drain
+from m2flow.workers.inference import InferenceWorker
+from m2flow.workers.reward import RewardWorker
+from m2flow.workers.rollout import RolloutWorker
+from m2flow.workloads.reasoning.tasks import build_datasets
+
+COMPONENTS = ("rollout", "reward", "inference", "actor")
+BURST_SHARE = 0.75  # rollout "does not stream" when half its outputs came out after this share of its call
+
+
+class _Probe:
+    """Mixed into a component's worker: call one of its methods timed, with peak memory and when it put outputs."""
+
+    def timed(self, method: str, *args) -> dict:
+        puts: list[float] = []
+        args = tuple(_Stamped(a, puts) if isinstance(a, Channel) else a for a in args)
+        gpu = bool(self.devices) and self.devices[0].kind == "gpu"
+        self.tracer.spans(clear=True)
+        peak = [0]
+        stop = threading.Event()
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            proc = psutil.Process()
+            peak[0] = proc.memory_info().rss
+
+            def sample():
+                while not stop.wait(0.005):
+                    peak[0] = max(peak[0], proc.memory_info().rss)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+        start = time.perf_counter()
+        try:
+            result = getattr(self, method)(*args)
+        finally:
+            seconds = time.perf_counter() - start
+            stop.set()
+        if gpu:
+            peak[0] = torch.cuda.max_memory_allocated()
+        else:
+            sampler.join()
+            peak[0] = max(peak[0], proc.memory_info().rss)
+        spans = {}
+        for s in self.tracer.spans(clear=True):
+            spans[s["phase"]] = spans.get(s["phase"], 0.0) + s["end"] - s["start"]
+        # one process spanning several devices holds its memory once: per device it is a share
+        return dict(result=result, seconds=seconds, peak_bytes=peak[0] // max(len(self.devices), 1),
+                    puts=[t - start for t in puts], spans=spans)
+
+    def state_bytes(self) -> int:
+        """Bytes of the registered state (weights, optimizer state), counted once."""
+        seen, total = set(), 0
+        for obj in self.__dict__.get("_m2flow_offloadables", {}).values():
+            tensors = list(obj.parameters()) + list(obj.buffers()) if isinstance(obj, torch.nn.Module) else \
+                [v for st in obj.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+            for t in tensors:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+        return total
+
+    def model_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.state_dict().values())
+
+    def consume(self, inp) -> tuple[int, float]:
+        """Take items from `inp` until END: (items, seconds)."""
+        start = time.perf_counter()
+        n = sum(1 for _ in drain(inp))
+        return n, time.perf_counter() - start
+
+    @concurrent
+    def machine(self, devices_on_node: int) -> tuple[str, int]:
+        """(device kind, usable memory bytes per device) as this rank sees it: a GPU's name and memory, or a CPU
+        slot's core count and its share of the node's RAM."""
+        if self.devices and self.devices[0].kind == "gpu":
+            props = torch.cuda.get_device_properties(0)
+            return props.name, props.total_memory
+        cores = len(self.devices[0].cores) if self.devices else 1
+        return f"cpu-slot-{cores}core", psutil.virtual_memory().total // max(devices_on_node, 1)
+
+
+class _Stamped:
+    """A channel that notes when each item (not END) was put."""
+
+    def __init__(self, channel, puts: list):
+        self._channel, self._puts = channel, puts
+
+    def put(self, item, *args, **kwargs):
+        self._channel.put(item, *args, **kwargs)
+        if not (isinstance(item, str) and item == END):
+            self._puts.append(time.perf_counter())
+
+    def __getattr__(self, name):
+        return getattr(self._channel, name)
+
+
+class RolloutProbe(_Probe, RolloutWorker):
+    pass
+
+
+class RewardProbe(_Probe, RewardWorker):
+    pass
+
+
+class InferenceProbe(_Probe, InferenceWorker):
+    pass
+
+
+class ActorProbe(_Probe, ActorWorker):
+    pass
+
+
+def default_batches(batch: int, group: int) -> list[int]:
+    """Samples per profiled call: one prompt group, a quarter, half and all of the step's batch, in whole groups."""
+    sizes = {max(group, batch * k // 4 // group * group) for k in (1, 2, 4)} | {group, batch}
+    return sorted(s for s in sizes if s <= batch)
+
+
+def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...] | None = None,
+                      out_path: str | Path | None = None, repeats: int = 3, devices: tuple[int, ...] | None = None,
+                      run_dir: str | Path | None = None) -> Profile:
+    """Profile the reasoning flow of `cfg` on `cluster`; write the table to `out_path` (default
+    `run_dir/profile.json`) and the raw timings to `profile_details.json` beside it.
+
+    `batches`: samples per call (whole prompt groups; default `default_batches`); `devices`: device counts to run
+    each component on (default 1 and 2 where the cluster has 2): 1 = `comp: 0`, d = one rank over devices 0..d-1.
+    Each row is the median of `repeats` calls after a warm-up call."""
+    from m2flow.flows.reasoning import prepare_model, sync_weights
+
+    run_dir = Path(run_dir or cfg.run.path)
+    out_path = Path(out_path or run_dir / "profile.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    work_dir = run_dir / "profile_work"
+    model_path = prepare_model(cfg, run_dir)
+    group = cfg.rollout.n
+    batch = cfg.rollout.prompts_per_step * group
+    batches = sorted(set(batches or default_batches(batch, group)))
+    bad = [b for b in batches if b % group or b < 1]
+    if bad:
+        raise ValueError(f"profile: batch sizes {bad} are not whole prompt groups of rollout.n={group}")
+    devices = devices or tuple(d for d in (1, 2) if d <= cluster.num_devices)
+    train_set, _ = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)
+    prompts = train_set.next_batch(max(batches) // group)
+
+    rows: dict[tuple[str, int, int], list[dict]] = {}
+    details: dict = {"batches": batches, "devices": list(devices), "repeats": repeats, "calls": []}
+    info: dict = {}
+    tag = f"{out_path.resolve()}:{time.time_ns()}"
+    step, names = [0], itertools.count()
+
+    def call(g, method, *args) -> dict:
+        out = g.timed(method, *args).wait()[0]
+        step[0] += 1
+        return out
+
+    def channel(name, items=()):
+        ch = Channel.create(f"{tag}/{name}/{next(names)}")
+        if items:
+            ch.put_many(list(items) + [END])
+        return ch
+
+    def chain(groups, b: int, record: int | None) -> dict:
+        """Run b samples through rollout -> reward -> inference -> actor, one stage at a time; record the rows."""
+        rollout, reward, inference, actor = groups
+        got = {}
+        out = channel("samples")
+        got["rollout"] = call(rollout, "generate", prompts[: b // group], out, step[0])
+        samples = list(drain(out))
+        out.destroy()
+        inp, out = channel("samples_in", samples), channel("scored")
+        got["reward"] = call(reward, "score", inp, out, step[0], 1)
+        scored = list(drain(out))
+        inp.destroy(), out.destroy()
+        inp, out = channel("scored_in", scored), channel("ready")
+        got["inference"] = call(inference, "logprobs", inp, out, step[0], b, 1)
+        ready = list(drain(out))
+        inp.destroy(), out.destroy()
+        inp = channel("ready_in", ready)
+        got["actor"] = call(actor, "train", inp, step[0], 1)
+        inp.destroy()
+        sizes = {"rollout": b, "reward": b, "inference": sum(len(g["responses"]) for g in scored),
+                 "actor": sum(len(x) for x in ready)}
+        if record is not None:
+            for name, r in got.items():
+                seconds = r["seconds"]
+                if name == "actor":  # the optimizer step is once-per-step work (fixed_seconds), not per sample
+                    seconds -= r["spans"].get("optimizer", 0.0)
+                n = sizes[name]
+                rows.setdefault((name, n, record), []).append(dict(seconds=seconds, peak_bytes=r["peak_bytes"]))
+                details["calls"].append(dict(component=name, batch=n, devices=record, seconds=r["seconds"],
+                                             spans=r["spans"], peak_bytes=r["peak_bytes"]))
+            info.setdefault("optimizer", []).append(got["actor"]["spans"].get("optimizer", 0.0))
+            if b == max(batches):
+                puts = got["rollout"]["puts"]
+                info.setdefault("rollout_half_out", []).append(
+                    sorted(puts)[len(puts) // 2] / got["rollout"]["seconds"] if puts else 1.0)
+        info["items"] = dict(samples=samples, scored=scored, ready=ready)
+        return info
+
+    for d in devices:
+        groups = _launch(cluster, cfg, model_path, d, work_dir)
+        try:
+            rollout, reward, inference, actor = groups
+            sync_weights(actor, [rollout, inference], check=False)
+            chain(groups, min(batches), None)  # warm-up: first calls allocate, import and connect
+            for b in batches:
+                for _ in range(repeats):
+                    chain(groups, b, d)
+            syncs = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                sync_weights(actor, [rollout, inference], check=cfg.rollout.check_weight_sync)
+                syncs.append(time.perf_counter() - t)
+            info.setdefault("sync", []).extend(syncs)
+            if d == min(devices):
+                info["state"] = {name: g.state_bytes().wait()[0] for name, g in zip(COMPONENTS, groups)}
+                info["weights"] = actor.model_bytes().wait()[0]
+                info["machine"] = rollout.machine(len(cluster.nodes[0]["devices"])).wait()[0]
+                info["transfer"] = _transfer(reward, channel, info["items"])
+                info["switch"] = {name: _switch(g, repeats) for name, g in zip(COMPONENTS, groups)
+                                  if name != "reward"}
+        finally:
+            for g in groups:
+                g.kill()
+    shutil.rmtree(work_dir, ignore_errors=True)
+
+    profile = _table(cfg, cluster, rows, info, batch)
+    details.update(sync_seconds=info["sync"], optimizer_seconds=info["optimizer"],
+                   rollout_half_out=info["rollout_half_out"], transfer=info["transfer"], switch=info["switch"],
+                   state_bytes=info["state"])
+    profile.save(out_path)
+    profile.source = str(out_path)
+    (out_path.parent / "profile_details.json").write_text(json.dumps(details, indent=1) + "\n")
+    return profile
+
+
+def _launch(cluster: Cluster, cfg, model_path: str, d: int, work_dir: Path) -> list:
+    """The four probe groups, each one rank over devices 0..d-1, started in parallel."""
+    spec = "; ".join(f"{c}: 0" if d == 1 else f"{c}: 0-{d - 1}:0" for c in COMPONENTS)
+    placement = parse_placement(spec, cluster.num_devices, list(COMPONENTS))
+    for i in range(d):
+        cluster.device_lock(i)  # create the locks before launching from several threads
+    kinds = {"rollout": (RolloutProbe, (cfg, model_path)), "reward": (RewardProbe, (cfg,)),
+             "inference": (InferenceProbe, (cfg, model_path)), "actor": (ActorProbe, (cfg, model_path))}
+    with ThreadPoolExecutor(len(COMPONENTS)) as pool:
+        futures = [pool.submit(cls.launch, cluster, placement[c], *args, run_dir=str(work_dir))
+                   for c, (cls, args) in kinds.items()]
+        groups, errors = [], []
+        for f in futures:
+            try:
+                groups.append(f.result())
+            except Exception as e:  # noqa: BLE001 - kill what started, then raise the first error
+                errors.append(e)
+    if errors:
+        for g in groups:
+            g.kill()
+        raise errors[0]
+    return groups
+
+
+def _switch(g, repeats: int) -> tuple[float, float]:
+    """Median seconds of offload() and onload() of one rank."""
+    off, on = [], []
+    for _ in range(repeats):
+        h = g.offload()
+        h.wait()
+        off.append(h.wall_times[0])
+        h = g.onload()
+        h.wait()
+        on.append(h.wall_times[0])
+    return statistics.median(off), statistics.median(on)
+
+
+def _transfer(consumer, channel, items: dict) -> dict:
+    """Channel cost between processes: per-message latency (small items) and seconds per GB (4 MB tensors), as the
+    driver's put plus the consumer's get; bytes per sample averaged over the flow's three channels."""
+    def hop(payload) -> float:
+        t = time.perf_counter()
+        ch = channel("transfer", payload)
+        put = time.perf_counter() - t
+        n, get = consumer.consume(ch).wait()[0]
+        ch.destroy()
+        return put + get
+
+    small = [{"i": i, "reward": 0.5} for i in range(50)]
+    latency = statistics.median(hop(small) for _ in range(3)) / len(small)
+    big = [torch.randn(1 << 20) for _ in range(8)]  # 8 x 4 MB
+    seconds = statistics.median(hop(big) for _ in range(3))
+    per_gb = max(0.0, seconds - latency * len(big)) / (len(big) * 4 * (1 << 20)) * 1e9
+    per_sample = []
+    for name in ("samples", "scored", "ready"):
+        objs = items[name]
+        n = sum(len(x["responses"]) if isinstance(x, dict) else len(x) for x in objs)
+        per_sample.append(sum(len(pickle.dumps(x)) for x in objs) / max(n, 1))
+    return dict(latency_seconds=latency, seconds_per_gb=per_gb, bytes_per_sample=int(statistics.mean(per_sample)))
+
+
+def _table(cfg, cluster: Cluster, rows: dict, info: dict, batch: int) -> Profile:
+    kind, memory = info["machine"]
+    machine = Machine(kind, cluster.num_devices, int(memory))
+    measurements = [Measurement(name, n, d, statistics.median(r["seconds"] for r in rs),
+                                int(statistics.median(r["peak_bytes"] for r in rs)))
+                    for (name, n, d), rs in sorted(rows.items(), key=lambda kv: (COMPONENTS.index(kv[0][0]), kv[0][1:]))]
+    sync = statistics.median(info["sync"])
+    components = {}
+    for name in COMPONENTS:
+        off, on = info["switch"].get(name, (0.0, 0.0))
+        components[name] = ComponentInfo(
+            state_bytes=info["state"][name],
+            shard_state=True,  # one process spans the component's devices: its state is held once over them
+            offload_seconds=off, onload_seconds=on,
+            # the actor streams with one mini-batch and one epoch (it accumulates gradients per micro-batch)
+            streams=not (name == "actor" and (cfg.actor.mini_batches > 1 or cfg.actor.epochs > 1)),
+            # once per step: the optimizer step, and the weight sync, which this flow does in every plan
+            # (each component is its own process; collocated peers do not share memory)
+            fixed_seconds=statistics.median(info["optimizer"]) + sync if name == "actor" else 0.0)
+    if statistics.median(info["rollout_half_out"]) > BURST_SHARE:
+        # the rollout emits its outputs in a burst at the end of its call: nothing after it can overlap with it, so
+        # the planner must treat the rest as a tail on the whole batch (a stage that waits for the whole batch)
+        components["reward"] = dataclasses.replace(components["reward"], streams=False)
+    t = info["transfer"]
+    return Profile(flow="reasoning", stages=COMPONENTS, batch=batch, machine=machine, components=components,
+                   measurements=measurements,
+                   transfer=Transfer(t["bytes_per_sample"], t["seconds_per_gb"], t["latency_seconds"]),
+                   weights=Weights(info["weights"], "actor", ("rollout", "inference")))
+
+
+def profile_command(config: str, overrides: list[str], out: str | None = None, batches: str | None = None,
+                    repeats: int = 3) -> str:
+    """`m2flow profile CONFIG [overrides] [--out P.json] [--batches 8,16,32]`: profile, write, return a summary."""
+    from m2flow import config as C
+
+    cfg = C.load(C.ReasoningConfig, C.read_yaml(C.resolve_path(config)), overrides)
+    cluster = Cluster(cfg.cluster.address, cfg.cluster.cpu_devices)
+    try:
+        sizes = [int(s) for s in batches.split(",")] if batches else None
+        start = time.perf_counter()
+        p = profile_reasoning(cfg, cluster, sizes, out, repeats=repeats)
+    finally:
+        cluster.shutdown()
+    lines = [f"profiled {len(p.measurements)} (component, batch, devices) cells on {p.machine.devices} x "
+             f"{p.machine.kind} in {time.perf_counter() - start:.0f} s: {p.source}",
+             f"{'component':10s} {'batch':>6s} {'devices':>7s} {'seconds':>9s} {'peak MB':>8s}"]
+    lines += [f"{m.component:10s} {m.batch:6d} {m.devices:7d} {m.seconds:9.4f} {m.peak_bytes / 1e6:8.0f}"
+              for m in p.measurements]
+    for name, c in p.components.items():
+        lines.append(f"{name}: state {c.state_bytes / 1e6:.2f} MB, offload {c.offload_seconds:.3f} s, "
+                     f"onload {c.onload_seconds:.3f} s, fixed {c.fixed_seconds:.3f} s/step"
+                     + ("" if c.streams else ", waits for the whole batch"))
+    t = p.transfer
+    lines.append(f"channel: {t.latency_seconds * 1e3:.2f} ms per message, {t.seconds_per_gb:.3f} s/GB, "
+                 f"{t.bytes_per_sample} bytes per sample")
+    lines.append(f"next: m2flow plan --profile {p.source} --devices N")
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""Reasoning RL (GRPO / PPO on a causal LM): the macro flow, one driver for every plan.
+
+rollout -> reward -> inference (old/ref logprobs) -> actor, connected by channels. Whether the stages
+take turns on shared devices or stream micro-batches between devices lives in the plan, not here.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from m2flow.config import ReasoningConfig
+from m2flow.flows.outputs import RunDir, progress
+from m2flow.runtime import Channel, Cluster, wait_all
+from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
+from m2flow.scheduler.plan import make_plan
+from m2flow.workers.actor import ActorWorker
+from m2flow.workers.inference import InferenceWorker
+from m2flow.workers.reward import RewardWorker
+from m2flow.workers.rollout import RolloutWorker
+from m2flow.engines.hf import load_tokenizer
+from m2flow.workloads.reasoning.tasks import build_datasets
+
+COMPONENTS = ["rollout", "reward", "inference", "actor"]
+PLOTS = {
+    "reward": ["reward/mean", "reward/accuracy"],
+    "response_length": ["response/length_mean"],
+    "loss": ["actor/pg_loss", "actor/kl", "actor/entropy"],
+    "step_seconds": ["time/step", "time/rollout", "time/weight_sync"],
+}
+
+
+def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
+    """Run `cfg.run.steps` RL steps; returns the last step's metrics and the run directory."""
+    run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
+    model_path = prepare_model(cfg, run.path)
+    train_set, _ = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)
+    cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices)
+    batch_samples = cfg.rollout.prompts_per_step * cfg.rollout.n
+    plan = make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, batch_samples, cfg.actor.micro_batch)
+    plan.save(run.path / "plan.yaml")
+
+    rollout = RolloutWorker.launch(cluster, plan["rollout"], cfg, model_path, run_dir=str(run.path))
+    reward = RewardWorker.launch(cluster, plan["reward"], cfg, run_dir=str(run.path))
+    inference = InferenceWorker.launch(cluster, plan["inference"], cfg, model_path, run_dir=str(run.path))
+    actor = ActorWorker.launch(cluster, plan["actor"], cfg, model_path, run_dir=str(run.path))
+    groups = [rollout, reward, inference, actor]
+    tag = f"{run.path.resolve()}:{time.time_ns()}"
+    samples, scored, ready = (Channel.create(f"{tag}/{n}", maxsize=plan.channel_maxsize) for n in ("samples", "scored", "ready"))
+
+    start = 0
+    if cfg.run.resume and (found := run.latest_checkpoint()):
+        start, ckpt = found
+        actor.load_checkpoint(str(ckpt)).wait()
+        restore_driver_state(ckpt, train_set)
+        run.drop_metrics_from(start)
+    sync_weights(actor, [rollout, inference], check=cfg.rollout.check_weight_sync)
+
+    last: dict = {}
+    with progress(cfg.run.progress) as bar:
+        task = bar.add_task("grpo" if cfg.algorithm.name == "grpo" else "ppo", total=cfg.run.steps, completed=start, info="")
+        for step in range(start, cfg.run.steps):
+            t0 = time.perf_counter()
+            prompts = train_set.next_batch(cfg.rollout.prompts_per_step)
+            shards = [prompts[r :: rollout.world_size] for r in range(rollout.world_size)]
+            results = wait_all([
+                rollout.call_per_rank("generate", [(s, samples, step) for s in shards]),
+                reward.score(samples, scored, step, rollout.world_size),
+                inference.logprobs(scored, ready, step, plan.micro_batch, reward.world_size),
+                actor.train(ready, step, inference.world_size),
+            ])
+            t1 = time.perf_counter()
+            sync_weights(actor, [rollout, inference], check=cfg.rollout.check_weight_sync)
+            t2 = time.perf_counter()
+            last = merge_metrics(results)
+            last.update({"time/step": t2 - t0, "time/rollout": last.get("rollout/seconds", 0.0), "time/weight_sync": t2 - t1,
+                         "throughput/tokens_per_s": last.get("rollout/tokens", 0) / (t2 - t0)})
+            run.log(step + 1, last)
+            if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps:
+                save_checkpoint(run, step + 1, actor, train_set)
+            bar.update(task, advance=1, info=f"reward {last['reward/mean']:.3f}  acc {last['reward/accuracy']:.2f}")
+
+    if cfg.run.trace:
+        spans = [s for g in groups for s in g.spans()]
+        write_chrome_trace(spans, run.path / "trace.json")
+        plot_timeline(spans, run.path / "plots" / "timeline.png")
+    run.plot(PLOTS)
+    run.close()
+    for g in groups:
+        g.kill()
+    for ch in (samples, scored, ready):
+        ch.destroy()
+    return {"metrics": last, "run_dir": str(run.path), "plan": plan.to_dict(),
+            "final_model": str(run.path / "checkpoints" / f"step_{cfg.run.steps}" / "model")}
+
+
+def sync_weights(actor, receivers, check: bool) -> None:
+    """Actor rank 0 publishes its weights once; every receiver rank loads them in place."""
+    weights = actor.on([0]).publish_weights().wait()[0]
+    digests = [d for h in wait_all([g.load_weights(weights) for g in receivers]) for d in h]
+    if check and any(d != weights.digest for d in digests):
+        raise RuntimeError(f"weight sync v{weights.version}: a receiver's weights differ from the actor's")
+
+
+def merge_metrics(results: list[list[dict]]) -> dict:
+    """Per-rank metric dicts of every stage -> one dict (numbers averaged over ranks)."""
+    out: dict = {}
+    for per_rank in results:
+        for key in per_rank[0] if per_rank and isinstance(per_rank[0], dict) else []:
+            values = [r[key] for r in per_rank]
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def prepare_model(cfg: ReasoningConfig, run_path: Path) -> str:
+    """The model directory RL starts from: `model.path`, or a tiny model built into the run directory;
+    then, with `sft.steps`, a supervised warm start on the task's reference answers (done once)."""
+    path = cfg.model.path
+    if not path:
+        from m2flow.engines.hf import init_tiny_model
+
+        path = str(run_path / "init_model")
+        if not (Path(path) / "config.json").exists():
+            init_tiny_model(path, hidden_size=cfg.model.tiny_hidden, num_layers=cfg.model.tiny_layers, seed=cfg.run.seed)
+    if cfg.sft.steps > 0:
+        out = run_path / "sft_model"
+        if not (out / "config.json").exists():
+            sft_model(path, str(out), cfg, progress=cfg.run.progress)
+        path = str(out)
+    return path
+
+
+def sft_model(model_path: str, out: str, cfg: ReasoningConfig, progress: bool = True) -> list[float]:
+    """Fine-tune `model_path` on the train split's reference answers; writes an HF directory to `out`."""
+    from m2flow.engines.hf import load_model
+    from m2flow.engines.train import sft
+    from m2flow.workloads.reasoning.tasks import task_records
+
+    torch.manual_seed(cfg.run.seed)
+    model, tok = load_model(model_path), load_tokenizer(model_path)
+    records = task_records(cfg.data, cfg.run.seed, "train")
+    pairs = [(r["prompt"], str(r.get("solution", r["answer"]))) for r in records]
+    losses = sft(model, tok, pairs, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
+                 seed=cfg.run.seed, progress=progress)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return losses
+
+
+def save_checkpoint(run: RunDir, step: int, actor, train_set) -> None:
+    def write(tmp: Path) -> None:
+        actor.on([0]).save_checkpoint(str(tmp)).wait()
+        torch.save({"data": train_set.state_dict(), "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
+                    "step": step}, tmp / "driver.pt")
+
+    run.save_checkpoint(step, write)
+
+
+def restore_driver_state(ckpt: Path, train_set) -> None:
+    state = torch.load(ckpt / "driver.pt", weights_only=False)
+    train_set.load_state_dict(state["data"])
+    random.setstate(state["python_rng"])
+    torch.set_rng_state(state["torch_rng"])

@@ -1,0 +1,165 @@
+"""Embodied actor worker: PPO (GAE with truncation bootstrap) or embodied GRPO updates of the actor-critic from the
+env workers' trajectories; publishes weights and writes checkpoints. It never steps an env.
+
+Several ranks train data-parallel: every rank receives all trajectories, takes the same minibatches (one seeded
+order) and computes its share of each; gradients are averaged with an all-reduce (gloo on CPU), so every rank keeps
+the same weights. `actor: 0-1:0` (one process over both devices' cores) avoids the all-reduce.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from m2flow.algorithms import embodied_grpo_advantages, first_episode_mask, gae, policy_loss, shift_values, value_loss
+from m2flow.runtime import Worker
+from m2flow.runtime.weights import publish
+from m2flow.workers.policy import make_policy
+from m2flow.workloads.embodied import Trajectory
+
+
+def advantages(traj: Trajectory, cfg, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """-> (advantages [T, N], returns [T, N], mask [T, N] of the steps that train).
+
+    ppo: GAE; truncated steps bootstrap from V(final obs), terminated ones from 0. grpo: each env's group-normalized
+    outcome (scores [N]; groups of env.seed_groups consecutive envs) on the steps of its first episode; returns are
+    the GAE targets all the same, so a critic can still be fit (vf_coef 0 turns it off)."""
+    alg = cfg.algorithm
+    next_values = shift_values(traj.values, traj.next_values, traj.truncated, traj.final_values)
+    adv, returns = gae(traj.rewards, traj.values, traj.terminated, traj.truncated, next_values, alg.gamma, alg.lam)
+    if alg.name == "ppo":
+        return adv, returns, torch.ones_like(adv, dtype=torch.bool)
+    mask = first_episode_mask(traj.terminated | traj.truncated)
+    return embodied_grpo_advantages(scores, mask, cfg.env.seed_groups), returns, mask
+
+
+def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, frac: float, gen: torch.Generator,
+               rank: int = 0, world: int = 1, allreduce=None) -> dict:
+    """Epochs x minibatches of the clipped PPO loss (+ vf_coef * MSE - ent_coef * entropy) over the flattened
+    [T, N] steps where mask. frac in (0, 1]: the share of the run left (LR and clip annealing). Returns metrics."""
+    a, alg = cfg.actor, cfg.algorithm
+    keep = mask.reshape(-1)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])[keep]  # noqa: E731
+    obs, actions, old_logp, old_v = flat(traj.obs), flat(traj.actions), flat(traj.logprobs), flat(traj.values)
+    adv, returns = flat(adv), flat(returns)
+    for group in optimizer.param_groups:
+        group["lr"] = a.lr * (frac if a.anneal_lr else 1.0)
+    clip = alg.clip * (frac if alg.anneal_clip else 1.0)
+    clip = max(clip, 1e-8)
+    size = len(adv)
+    stats, grad_norms, stop = [], [], False
+    for _ in range(a.epochs):
+        order = torch.randperm(size, generator=gen)
+        for lo in range(0, size, a.minibatch_size):
+            mb = order[lo:lo + a.minibatch_size]
+            mb_adv = adv[mb]
+            if alg.norm_adv and len(mb) > 1:
+                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+            mine = mb[rank::world] if world > 1 else mb  # this rank's share of the minibatch
+            mine_adv = mb_adv[rank::world] if world > 1 else mb_adv
+            logp, entropy, values = policy.evaluate(obs[mine], actions[mine])
+            pg, m = policy_loss(logp[:, None], old_logp[mine][:, None], mine_adv[:, None], None, clip_low=clip)
+            vf, vm = value_loss(values, old_v[mine], returns[mine], clip=alg.clip_vf)
+            ent = entropy.mean()
+            loss = pg + alg.vf_coef * 2.0 * vf - alg.ent_coef * ent  # value_loss is 0.5 * MSE
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if allreduce is not None:
+                allreduce(policy)
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), a.grad_clip)))
+            optimizer.step()
+            stats.append({"actor/pg_loss": float(pg.detach()), "actor/vf_loss": float(2 * vf.detach()), "actor/entropy": float(ent.detach()),
+                          "actor/approx_kl": float(m["approx_kl"]), "actor/clipfrac": float(m["clipfrac"])})
+            if alg.target_kl is not None and float(m["approx_kl"]) > 1.5 * alg.target_kl:
+                stop = True
+                break
+        if stop:
+            break
+    out = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+    var = returns.var()
+    out.update({"actor/explained_var": float(1 - (returns - old_v).var() / var) if var > 0 else 0.0,
+                "actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": optimizer.param_groups[0]["lr"],
+                "actor/clip": clip, "actor/updates": len(stats), "actor/early_stop": float(stop),
+                "actor/advantage_mean": float(adv.mean())})
+    return out
+
+
+def allreduce_grads(policy) -> None:
+    """Average gradients over the actor ranks: one flat gloo all-reduce."""
+    import torch.distributed as dist
+
+    params = [p for p in policy.parameters() if p.grad is not None]
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+
+
+class EmbodiedActorWorker(Worker):
+    def __init__(self, cfg, obs_space, action_space):
+        self.cfg = cfg
+        self.policy = make_policy(cfg, obs_space, action_space).train()
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.actor.lr, eps=cfg.actor.adam_eps)
+        self.gen = torch.Generator().manual_seed(cfg.run.seed + 12345)  # minibatch order, same on every rank
+        self.version = 0
+        if self.world_size > 1:
+            self.init_process_group()
+        self.register_offloadable("policy", self.policy)
+        self.register_offloadable("optimizer", self.optimizer)
+
+    def train(self, inp, step: int, producers: int) -> dict:
+        """One update from the `producers` env workers' trajectories on `inp` (key: this rank)."""
+        items = sorted((inp.get(key=self.rank) for _ in range(producers)), key=lambda x: x["env_rank"])
+        traj = Trajectory.cat_envs([x["traj"] for x in items])
+        scores = torch.cat([x["scores"] for x in items]) if items[0]["scores"] is not None else None
+        with self.device_phase("train", step):
+            start = time.perf_counter()
+            adv, returns, mask = advantages(traj, self.cfg, scores)
+            frac = 1.0 - step / max(self.cfg.run.steps, 1)
+            out = ppo_update(self.policy, self.optimizer, traj, adv, returns, mask, self.cfg, frac, self.gen,
+                             self.rank, self.world_size, allreduce_grads if self.world_size > 1 else None)
+            out["time/update"] = time.perf_counter() - start
+        if scores is not None:
+            out["grpo/score_mean"] = float(scores.mean())
+        self.version += 1
+        return out
+
+    # -- weights and checkpoints -----------------------------------------------------------------
+    def publish_weights(self):
+        return publish(self.policy.state_dict(), self.version)
+
+    def save_checkpoint(self, directory: str) -> None:
+        """policy.safetensors + actor_state.pt (optimizer, minibatch RNG, version) under `directory`."""
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        save_file({k: v.contiguous() for k, v in self.policy.state_dict().items()}, str(d / "policy.safetensors"))
+        torch.save({"optimizer": self.optimizer.state_dict(), "gen": self.gen.get_state(), "version": self.version,
+                    "torch_rng": torch.get_rng_state()}, d / "actor_state.pt")
+
+    def load_checkpoint(self, directory: str) -> int:
+        d = Path(directory)
+        load_policy(self.policy, d)
+        s = torch.load(d / "actor_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(s["optimizer"])
+        self.gen.set_state(s["gen"])
+        self.version = s["version"]
+        torch.set_rng_state(s["torch_rng"])
+        return self.version
+
+
+def load_policy(policy, directory: Path) -> None:
+    """Load directory/policy.safetensors into `policy`, with a clear error if it was built differently."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(directory) / "policy.safetensors"))
+    own = policy.state_dict()
+    bad = sorted(k for k in set(own) | set(state) if k not in own or k not in state or own[k].shape != state[k].shape)
+    if bad:
+        raise ValueError(f"{directory}/policy.safetensors does not fit the policy of this config: {bad[:4]} differ")
+    policy.load_state_dict(state)

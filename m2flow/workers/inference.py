@@ -1,0 +1,78 @@
+"""Inference worker: turns scored prompt groups into training micro-batches with old-policy (and,
+with a KL penalty, reference-policy) logprobs, as the groups arrive. It does not train.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from m2flow.engines.hf import load_model, load_tokenizer
+from m2flow.engines.train import collate, token_logprobs
+from m2flow.runtime import Worker
+from m2flow.runtime.weights import WeightsRef, load_into, state_digest
+from m2flow.types import Batch
+from m2flow.workers.common import END, drain
+
+
+def groups_to_batch(groups: list[dict], pad_id: int) -> Batch:
+    """Flatten prompt groups into one padded Batch of samples (see engines.train.collate for the layout)."""
+    pairs, rewards, advantages, rollout_lp = [], [], [], []
+    for g in groups:
+        for i, resp in enumerate(g["responses"]):
+            pairs.append((g["prompt_ids"], resp))
+            rewards.append(g["rewards"][i])
+            advantages.append(g["advantages"][i] if "advantages" in g else 0.0)
+            rollout_lp.append(g["logprobs"][i])
+    t = collate(pairs, pad_id)
+    batch = Batch(dict(t))
+    batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
+    batch["advantages"] = torch.tensor(advantages, dtype=torch.float32)
+    lp = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+    for row, values in enumerate(rollout_lp):
+        cols = batch["response_mask"][row].nonzero().view(-1)
+        lp[row, cols[: len(values)]] = torch.tensor(values[: len(cols)], dtype=torch.float32)
+    batch["rollout_logprobs"] = lp
+    return batch
+
+
+class InferenceWorker(Worker):
+    def __init__(self, cfg, model_path: str):
+        self.cfg = cfg
+        self.pad_id = load_tokenizer(model_path).pad_token_id
+        self.model = load_model(model_path, dtype=getattr(torch, cfg.model.dtype)).eval()
+        # the reference policy is the initial model, frozen: only needed for a KL penalty
+        self.ref = copy.deepcopy(self.model) if cfg.algorithm.kl_coef > 0 else None
+        self.register_offloadable("model", self.model)
+        if self.ref is not None:
+            self.register_offloadable("ref", self.ref)
+
+    def logprobs(self, inp, out, step: int, micro_batch: int, producers: int = 1) -> dict:
+        """Collect groups from `inp` into micro-batches of >= `micro_batch` samples, add `old_logprobs`
+        (and `ref_logprobs`) to each, put them into `out`; END after the last."""
+        pending: list[dict] = []
+        sent = 0
+        for group in drain(inp, producers):
+            pending.append(group)
+            if sum(len(g["responses"]) for g in pending) >= micro_batch:
+                sent += self._emit(pending, out, step)
+                pending = []
+        if pending:
+            sent += self._emit(pending, out, step)
+        out.put(END)
+        return {"inference/samples": sent}
+
+    def _emit(self, groups: list[dict], out, step: int) -> int:
+        batch = groups_to_batch(groups, self.pad_id)
+        with self.device_phase("logprobs", step), torch.no_grad():
+            batch["old_logprobs"] = token_logprobs(self.model, batch.tensors, self.cfg.rollout.temperature)
+            if self.ref is not None:
+                batch["ref_logprobs"] = token_logprobs(self.ref, batch.tensors, self.cfg.rollout.temperature)
+        out.put(batch, weight=len(batch))
+        return len(batch)
+
+    def load_weights(self, weights: WeightsRef) -> str:
+        with self.device_phase("weight_sync", weights.version):
+            load_into(self.model, weights)
+        return state_digest(self.model.state_dict())

@@ -1,0 +1,104 @@
+"""Policy (embodied rollout) worker: batched inference for env stages. It takes a request per stage (obs, plus the
+final obs of episodes truncated on the previous step) and answers with actions, logprobs and values. It never steps
+an env and never trains.
+
+Sampling noise is a function of (seed, time step, global env index) only, so the actions an env gets do not depend on
+how the envs are cut into stages or workers: pipelining changes timing, not data.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.distributions import Normal
+
+from m2flow.runtime import Worker
+from m2flow.runtime.weights import WeightsRef, load_into, state_digest
+from m2flow.workloads.embodied import ActorCritic, build_policy
+
+
+def make_policy(cfg, obs_space, action_space, seed: int | None = None) -> ActorCritic:
+    """The actor-critic of `cfg.policy` for these spaces; identical weights for identical seeds."""
+    p = cfg.policy
+    torch.manual_seed(cfg.run.seed if seed is None else seed)
+    if p.kind == "mlp":
+        kw = dict(hidden=tuple(p.hidden), activation=p.activation)
+    else:
+        kw = dict(features_dim=p.features_dim)
+    policy = build_policy(obs_space, action_space, p.kind, chunk=cfg.env.chunk, log_std_init=p.log_std_init, **kw)
+    if not p.ortho_init:  # torch's default init (SB3 ortho_init=False); log_std keeps its init
+        for m in policy.modules():
+            if isinstance(m, (nn.Linear, nn.Conv2d)):
+                m.reset_parameters()
+    return policy
+
+
+@torch.no_grad()
+def sample_actions(policy: ActorCritic, obs: torch.Tensor, noise_seed: int | None, lo: int, total: int):
+    """obs [n, *obs] of envs lo..lo+n (of `total`) -> (actions, logprobs [n], values [n]).
+
+    noise_seed None: the distribution's mode (deterministic). Else Gaussian actions are mean + std * eps and
+    discrete ones argmax(logits + Gumbel noise) (an exact sample), with eps drawn for all `total` envs from
+    `noise_seed` and sliced: env i gets the same noise whatever stage it is in.
+    """
+    if noise_seed is None:
+        return policy.act(obs, deterministic=True)
+    actor_feat, critic_feat = policy.features(obs)
+    dist = policy._dist(actor_feat)
+    gen = torch.Generator().manual_seed(noise_seed)
+    n = obs.shape[0]
+    if isinstance(dist, Normal):
+        eps = torch.randn((total, *dist.mean.shape[1:]), generator=gen)[lo:lo + n]
+        action = dist.mean + dist.stddev * eps
+        logprob = policy._sum(dist.log_prob(action))
+    else:
+        u = torch.rand((total, *dist.logits.shape[1:]), generator=gen)[lo:lo + n].clamp_(1e-12, 1 - 1e-7)
+        index = (dist.logits - torch.log(-torch.log(u))).argmax(-1)
+        logprob = policy._sum(dist.log_prob(index))
+        action = index + int(policy.action_space.start)
+    return action, logprob, policy.critic_head(critic_feat).squeeze(-1)
+
+
+def noise_seed(seed: int, t: int) -> int:
+    """The sampling-noise seed of policy time step t (shared by every env at that step)."""
+    return (seed * 1_000_003 + t * 7_919 + 17) % (2**63)
+
+
+class PolicyWorker(Worker):
+    """Answers env workers' requests one at a time, in arrival order: `act(request) -> reply` with
+    request {stage, t, lo, total, obs [n, *obs], final_obs [m, *obs] | None, values_only, step, trace} and
+    reply {actions, logprobs, values (or only values), final_values [m] | None, seconds}."""
+
+    def __init__(self, cfg, obs_space, action_space):
+        self.cfg = cfg
+        self.policy = make_policy(cfg, obs_space, action_space).eval()
+        self.version = 0
+
+    @torch.no_grad()
+    def act(self, req: dict) -> dict:
+        start, wall = time.perf_counter(), time.time()
+        obs, final = torch.as_tensor(req["obs"]), req["final_obs"]
+        m = 0 if final is None else len(final)
+        if req["values_only"]:  # the rollout's bootstrap: V(next obs), no action
+            values = self.policy.value(torch.cat([obs, torch.as_tensor(final)]) if m else obs)
+            reply = {"values": values[:len(obs)]}
+        else:
+            nseed = None if self.cfg.rollout.deterministic else noise_seed(self.cfg.run.seed, req["t"])
+            actions, logprobs, values = sample_actions(self.policy, obs, nseed, req["lo"], req["total"])
+            reply = {"actions": actions, "logprobs": logprobs, "values": values}
+            if m:
+                values = torch.cat([values, self.policy.value(torch.as_tensor(final))])
+        reply["final_values"] = values[len(obs):] if m else None
+        reply["seconds"] = time.perf_counter() - start
+        if req["trace"]:
+            self.tracer.record(f"policy s{req['stage']}", wall, time.time(), req["step"], env_rank=req["env_rank"])
+        return reply
+
+    def load_weights(self, weights: WeightsRef) -> str:
+        """Copy the actor's published weights in place; returns their digest."""
+        with self.span("weight_sync", weights.version):
+            load_into(self.policy, weights)
+            self.version = weights.version
+        return state_digest(self.policy.state_dict())

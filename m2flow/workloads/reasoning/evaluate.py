@@ -1,0 +1,34 @@
+"""Held-out evaluation of a generation engine on prompt/answer problems: greedy pass@1 and sampled
+pass@k. It takes any engine with the GenerationEngine interface; it does not load models.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from m2flow.engines.base import SamplingParams
+from m2flow.workloads.reasoning.rewards import RewardRunner
+
+
+def evaluate(engine, tokenizer, items: Sequence[dict], reward_fn: str, k: int = 8, max_new_tokens: int = 8,
+             temperature: float = 1.0, seed: int = 0, timeout_s: float | None = None) -> dict:
+    """items: {"prompt_ids", "answer"}. Returns {"pass@1" (greedy), "pass@k" (any of k samples correct),
+    "sampled_accuracy" (mean over the k samples), "problems"}."""
+    prompts = [list(it["prompt_ids"]) for it in items]
+    stop = [tokenizer.eos_token_id]
+    greedy = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop))
+    out = {"problems": len(items)}
+    with RewardRunner(reward_fn, timeout_s=timeout_s) as runner:
+        calls = [(tokenizer.decode(g[0].response_ids, skip_special_tokens=True), it["answer"]) for g, it in zip(greedy, items)]
+        scores, _ = runner.score(calls)
+        out["pass@1"] = sum(s >= 1.0 for s in scores) / max(len(scores), 1)
+        if k > 1:
+            sampled = engine.generate(prompts, SamplingParams(n=k, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                              stop_token_ids=stop, seed=seed))
+            calls = [(tokenizer.decode(s.response_ids, skip_special_tokens=True), it["answer"])
+                     for group, it in zip(sampled, items) for s in group]
+            scores, _ = runner.score(calls)
+            correct = [s >= 1.0 for s in scores]
+            out[f"pass@{k}"] = sum(any(correct[i * k:(i + 1) * k]) for i in range(len(items))) / max(len(items), 1)
+            out["sampled_accuracy"] = sum(correct) / max(len(correct), 1)
+    return out
