@@ -1,4 +1,4 @@
-"""The `m2flow` command: demo | train | eval | sft | init-model | plan. Parses arguments and calls flows."""
+"""The `m2flow` command: demo | train | eval | sft | init-model | profile | plan. Parses arguments and calls flows."""
 
 from __future__ import annotations
 
@@ -39,6 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--layers", type=int, default=2)
     i.add_argument("--seed", type=int, default=0)
 
+    pr = sub.add_parser("profile", help="time each component of the reasoning flow alone at several batch sizes")
+    pr.add_argument("config", help="YAML file or preset name in configs/")
+    pr.add_argument("overrides", nargs="*")
+    pr.add_argument("--out", default=None, help="profile JSON path (default: in the run directory)")
+    pr.add_argument("--batches", default=None, help="comma-separated samples per call, e.g. 8,16,32")
+    pr.add_argument("--repeats", type=int, default=3)
+
     pl = sub.add_parser("plan", help="search execution plans for N devices from a profile table (no cluster needed)")
     pl.add_argument("--profile", required=True, help="profile JSON (m2flow profile output, or hand-made)")
     pl.add_argument("--devices", type=int, required=True, help="devices of the cluster to plan for")
@@ -47,7 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--top", type=int, default=10, help="candidates to list")
 
     args = p.parse_args(argv)
+    import torch
+
     from m2flow.config import ConfigError
+
+    # The driver's own compute (SFT, eval) is on tiny models: one thread avoids OpenMP spin contention with
+    # the worker processes, which pin their own cores and threads.
+    torch.set_num_threads(1)
 
     try:
         return COMMANDS[args.command](args)
@@ -116,6 +129,13 @@ def cmd_init_model(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from m2flow.flows.profile import profile_command
+
+    print(profile_command(args.config, args.overrides, args.out, args.batches, args.repeats))
+    return 0
+
+
 def cmd_plan(args) -> int:
     from m2flow.scheduler.search import plan_command
 
@@ -123,7 +143,7 @@ def cmd_plan(args) -> int:
     return 0
 
 
-COMMANDS = {"plan": cmd_plan, "demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "sft": cmd_sft, "init-model": cmd_init_model}
+COMMANDS = {"plan": cmd_plan, "profile": cmd_profile, "demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "sft": cmd_sft, "init-model": cmd_init_model}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,8 +18,11 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
+from transformers.utils import logging as hf_logging
 
 from m2flow.engines.base import Generation, GroupCallback, SamplingParams
+
+hf_logging.disable_progress_bar()  # no per-load/save bars in worker logs; m2flow shows its own progress
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0, 1, 2, 3 in every tiny tokenizer
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)

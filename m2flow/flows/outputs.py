@@ -52,9 +52,9 @@ class RunDir:
             return []
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
 
-    def drop_metrics_from(self, step: int) -> None:
-        """On resume: forget rows of steps that will be redone."""
-        rows = [r for r in self.metrics() if r["step"] < step]
+    def drop_metrics_after(self, step: int) -> None:
+        """On resume from the checkpoint of step `step`: forget rows of later steps, which will be redone."""
+        rows = [r for r in self.metrics() if r["step"] <= step]
         self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def plot(self, groups: dict[str, list[str]]) -> list[Path]:

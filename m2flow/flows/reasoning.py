@@ -40,7 +40,12 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
     train_set, _ = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)
     cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices)
     batch_samples = cfg.rollout.prompts_per_step * cfg.rollout.n
-    plan = make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, batch_samples, cfg.actor.micro_batch)
+    if cfg.cluster.placement == "auto":  # profile, search, pick the fastest predicted plan (docs/planner.md)
+        from m2flow.flows.auto import auto_plan
+
+        plan = auto_plan(cfg, cluster, run.path)
+    else:
+        plan = make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, batch_samples, cfg.actor.micro_batch)
     plan.save(run.path / "plan.yaml")
 
     rollout = RolloutWorker.launch(cluster, plan["rollout"], cfg, model_path, run_dir=str(run.path))
@@ -56,7 +61,7 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
         start, ckpt = found
         actor.load_checkpoint(str(ckpt)).wait()
         restore_driver_state(ckpt, train_set)
-        run.drop_metrics_from(start)
+        run.drop_metrics_after(start)
     sync_weights(actor, [rollout, inference], check=cfg.rollout.check_weight_sync)
 
     last: dict = {}
@@ -89,6 +94,10 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
         plot_timeline(spans, run.path / "plots" / "timeline.png")
     run.plot(PLOTS)
     run.close()
+    if cfg.cluster.placement == "auto":
+        from m2flow.flows.auto import write_plan_report
+
+        write_plan_report(run.path)
     for g in groups:
         g.kill()
     for ch in (samples, scored, ready):

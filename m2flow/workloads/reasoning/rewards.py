@@ -46,6 +46,17 @@ def exact_match(response: str, answer: Any) -> float:
     return float(strip_eos(response) == str(answer).strip())
 
 
+def digit_match(response: str, answer: Any) -> float:
+    """Exact match with partial credit: 1.0 if exact, else 0.5 x the share of the answer's digits that the
+    response has in the same place, counted from the right (ones under ones), and 0 for the wrong length."""
+    got, want = strip_eos(response), str(answer).strip()
+    if got == want:
+        return 1.0
+    if len(got) != len(want):
+        return 0.0
+    return 0.5 * sum(a == b for a, b in zip(reversed(got), reversed(want))) / max(len(want), 1)
+
+
 def math_verify_reward(response: str, answer: Any) -> float:
     """1.0 if math-verify finds the response's final answer equivalent to `answer`, else 0.0.
 
@@ -105,6 +116,7 @@ def _eval_expression(node: ast.AST) -> tuple[Fraction, list[int]]:
 
 REWARD_FNS: dict[str, Callable[[str, Any], float]] = {
     "exact_match": exact_match,
+    "digit_match": digit_match,
     "math_verify": math_verify_reward,
     "countdown": countdown_reward,
 }

@@ -8,7 +8,7 @@ from m2flow.workloads.reasoning.data import PromptDataset, load_dataset
 from m2flow.workloads.reasoning.synthetic import make_task
 
 DEFAULT_REWARD = {"arithmetic": "exact_match", "countdown": "countdown", "file": "math_verify"}
-INLINE_REWARDS = ("exact_match", "countdown")  # pure, fast, cannot hang: no subprocess needed
+INLINE_REWARDS = ("exact_match", "digit_match", "countdown")  # pure, fast, cannot hang: no subprocess needed
 
 
 def reward_name(fn: str, task: str) -> str:
