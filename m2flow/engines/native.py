@@ -242,7 +242,8 @@ class NativeEngine:
                     act=mlp.act_fn,
                 )
             )
-        return dict(embed=m.model.embed_tokens.weight, norm=m.model.norm.weight, lm_head=m.lm_head.weight, layers=layers)
+        model = m.model
+        return dict(embed=model.embed_tokens.weight, norm=model.norm.weight, lm_head=m.lm_head.weight, layers=layers)
 
     def _ensure_cache(self, slots: int, length: int, w: dict) -> None:
         """Allocate (or grow) the KV cache and RoPE tables to hold `slots` sequences of `length` tokens."""
