@@ -16,6 +16,7 @@ from m2flow.scheduler.profile import Profile
 from m2flow.scheduler.search import Candidate, SearchResult, search
 
 COMPONENTS = ["rollout", "reward", "inference", "actor"]
+TABLE_ROWS = 20  # candidates shown in plan_candidates.txt (plan_search.json lists all)
 
 
 class FlowCandidate(Candidate):
@@ -66,8 +67,9 @@ def plan_of(candidate: Candidate, result: SearchResult) -> AutoPlan:
 
 
 def auto_plan(cfg, cluster: Cluster, run_dir: str | Path) -> AutoPlan:
-    """Profile (or reuse `run_dir/profile.json`), search for `cluster.num_devices`, write `plan_candidates.txt` and
-    `plan_search.json` into `run_dir`, and return the fastest plan the flow can run."""
+    """Profile (or reuse `run_dir/profile.json`), search for `cluster.num_devices`, write `plan_candidates.txt` (the
+    top of the table) and `plan_search.json` (every candidate) into `run_dir`, and return the fastest plan the flow
+    can run."""
     from m2flow.flows.profile import profile_reasoning
 
     run_dir = Path(run_dir)
@@ -80,11 +82,12 @@ def auto_plan(cfg, cluster: Cluster, run_dir: str | Path) -> AutoPlan:
                          f"{list(profile.stages)}")
     result = flow_plans(dataclasses.replace(profile, batch=batch), cluster.num_devices, cfg.rollout.n, top=1 << 30)
     best = result.best
+    shown = dataclasses.replace(result, candidates=result.candidates[:TABLE_ROWS])
     (run_dir / "plan_candidates.txt").write_text(
         f"profile {path}: {profile.machine.devices} x {profile.machine.kind}; planning {cluster.num_devices} "
-        f"device(s), {batch} samples per step, {result.evaluated} plans predicted in {result.seconds:.2f} s; "
-        f"the reasoning flow runs offload off, micro-batches of whole groups ({cfg.rollout.n})\n\n"
-        f"{result.table()}\n\nchosen: {best.describe()}\n")
+        f"device(s), {batch} samples per step, {result.evaluated} plans predicted in {result.seconds:.2f} s, "
+        f"{len(result.candidates)} the reasoning flow can run (offload off, micro-batches of whole groups of "
+        f"{cfg.rollout.n}, one process per component)\n\n{shown.table()}\n\nchosen: {best.describe()}\n")
     (run_dir / "plan_search.json").write_text(json.dumps({
         "profile": str(path), "num_devices": cluster.num_devices, "batch": batch,
         "chosen": _row(best),

@@ -8,7 +8,6 @@ trained on by the real workers, through Channels. It measures; it does not plan 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import pickle
 import shutil
@@ -22,7 +21,7 @@ import psutil
 import torch
 
 from m2flow.engines.hf import load_tokenizer
-from m2flow.runtime import Channel, Cluster, Worker, concurrent, parse_placement
+from m2flow.runtime import Channel, Cluster, concurrent, parse_placement
 from m2flow.scheduler.profile import ComponentInfo, Machine, Measurement, Profile, Transfer, Weights
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.common import END, drain
@@ -32,14 +31,14 @@ from m2flow.workers.rollout import RolloutWorker
 from m2flow.workloads.reasoning.tasks import build_datasets
 
 COMPONENTS = ("rollout", "reward", "inference", "actor")
-BURST_SHARE = 0.75  # rollout "does not stream" when half its outputs came out after this share of its call
+BURST_SHARE = 0.5  # rollout "does not stream" when its first output came after this share of its work
 
 
 class _Probe:
     """Mixed into a component's worker: call one of its methods timed, with peak memory and when it put outputs."""
 
     def timed(self, method: str, *args) -> dict:
-        puts: list[float] = []
+        puts: list[tuple[float, float]] = []
         args = tuple(_Stamped(a, puts) if isinstance(a, Channel) else a for a in args)
         gpu = bool(self.devices) and self.devices[0].kind == "gpu"
         self.tracer.spans(clear=True)
@@ -73,7 +72,7 @@ class _Probe:
             spans[s["phase"]] = spans.get(s["phase"], 0.0) + s["end"] - s["start"]
         # one process spanning several devices holds its memory once: per device it is a share
         return dict(result=result, seconds=seconds, peak_bytes=peak[0] // max(len(self.devices), 1),
-                    puts=[t - start for t in puts], spans=spans)
+                    puts=[(a - start, b - start) for a, b in puts], spans=spans)
 
     def state_bytes(self) -> int:
         """Bytes of the registered state (weights, optimizer state), counted once."""
@@ -108,15 +107,16 @@ class _Probe:
 
 
 class _Stamped:
-    """A channel that notes when each item (not END) was put."""
+    """A channel that notes when each put of an item (not END) started and ended."""
 
     def __init__(self, channel, puts: list):
         self._channel, self._puts = channel, puts
 
     def put(self, item, *args, **kwargs):
+        start = time.perf_counter()
         self._channel.put(item, *args, **kwargs)
         if not (isinstance(item, str) and item == END):
-            self._puts.append(time.perf_counter())
+            self._puts.append((start, time.perf_counter()))
 
     def __getattr__(self, name):
         return getattr(self._channel, name)
@@ -173,88 +173,82 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
     rows: dict[tuple[str, int, int], list[dict]] = {}
     details: dict = {"batches": batches, "devices": list(devices), "repeats": repeats, "calls": []}
     info: dict = {}
+    step = [0]
+    # two channels for the whole run (each channel is a Ray actor: a process), reused by every call
     tag = f"{out_path.resolve()}:{time.time_ns()}"
-    step, names = [0], itertools.count()
+    inp, out = Channel.create(f"{tag}/in"), Channel.create(f"{tag}/out")
 
-    def call(g, method, *args) -> dict:
-        out = g.timed(method, *args).wait()[0]
+    def call(g, method, items, *args) -> tuple[dict, list]:
+        """Feed `items` (+ END) into `inp`, run the call, return its measurements and what it put into `out`."""
+        if items is not None:
+            inp.put_many(list(items) + [END])
+        t = time.perf_counter()
+        r = g.timed(method, *args).wait()[0]
+        info.setdefault("rpc", []).append(time.perf_counter() - t - r["seconds"])
         step[0] += 1
-        return out
+        return r, (list(drain(out)) if method != "train" else [])
 
-    def channel(name, items=()):
-        ch = Channel.create(f"{tag}/{name}/{next(names)}")
-        if items:
-            ch.put_many(list(items) + [END])
-        return ch
-
-    def chain(groups, b: int, record: int | None) -> dict:
+    def chain(groups, b: int, record: int | None) -> None:
         """Run b samples through rollout -> reward -> inference -> actor, one stage at a time; record the rows."""
         rollout, reward, inference, actor = groups
         got = {}
-        out = channel("samples")
-        got["rollout"] = call(rollout, "generate", prompts[: b // group], out, step[0])
-        samples = list(drain(out))
-        out.destroy()
-        inp, out = channel("samples_in", samples), channel("scored")
-        got["reward"] = call(reward, "score", inp, out, step[0], 1)
-        scored = list(drain(out))
-        inp.destroy(), out.destroy()
-        inp, out = channel("scored_in", scored), channel("ready")
-        got["inference"] = call(inference, "logprobs", inp, out, step[0], b, 1)
-        ready = list(drain(out))
-        inp.destroy(), out.destroy()
-        inp = channel("ready_in", ready)
-        got["actor"] = call(actor, "train", inp, step[0], 1)
-        inp.destroy()
+        got["rollout"], samples = call(rollout, "generate", None, prompts[: b // group], out, step[0])
+        got["reward"], scored = call(reward, "score", samples, inp, out, step[0], 1)
+        got["inference"], ready = call(inference, "logprobs", scored, inp, out, step[0], b, 1)
+        got["actor"], _ = call(actor, "train", ready, inp, step[0], 1)
+        info["items"] = dict(samples=samples, scored=scored, ready=ready)
+        if record is None:
+            return
         sizes = {"rollout": b, "reward": b, "inference": sum(len(g["responses"]) for g in scored),
                  "actor": sum(len(x) for x in ready)}
-        if record is not None:
-            for name, r in got.items():
-                seconds = r["seconds"]
-                if name == "actor":  # the optimizer step is once-per-step work (fixed_seconds), not per sample
-                    seconds -= r["spans"].get("optimizer", 0.0)
-                n = sizes[name]
-                rows.setdefault((name, n, record), []).append(dict(seconds=seconds, peak_bytes=r["peak_bytes"]))
-                details["calls"].append(dict(component=name, batch=n, devices=record, seconds=r["seconds"],
-                                             spans=r["spans"], peak_bytes=r["peak_bytes"]))
+        for name, r in got.items():
+            seconds = r["seconds"]
+            if name == "actor":  # the optimizer step is once-per-step work (fixed_seconds), not per sample
+                seconds -= r["spans"].get("optimizer", 0.0)
+            n = sizes[name]
+            rows.setdefault((name, n, record), []).append(dict(seconds=seconds, peak_bytes=r["peak_bytes"]))
+            details["calls"].append(dict(component=name, batch=n, devices=record, seconds=r["seconds"],
+                                         spans=r["spans"], peak_bytes=r["peak_bytes"]))
+        if record == min(devices):
             info.setdefault("optimizer", []).append(got["actor"]["spans"].get("optimizer", 0.0))
-            if b == max(batches):
-                puts = got["rollout"]["puts"]
-                info.setdefault("rollout_half_out", []).append(
-                    sorted(puts)[len(puts) // 2] / got["rollout"]["seconds"] if puts else 1.0)
-        info["items"] = dict(samples=samples, scored=scored, ready=ready)
-        return info
+        if b == max(batches):
+            # how far into its work (the call less its own puts) the rollout put its first output
+            r = got["rollout"]
+            work = r["seconds"] - sum(b - a for a, b in r["puts"])
+            info.setdefault("rollout_first_out", []).append(min((a for a, _ in r["puts"]), default=work) / work)
 
-    for d in devices:
-        groups = _launch(cluster, cfg, model_path, d, work_dir)
-        try:
-            rollout, reward, inference, actor = groups
-            sync_weights(actor, [rollout, inference], check=False)
-            chain(groups, min(batches), None)  # warm-up: first calls allocate, import and connect
-            for b in batches:
+    try:
+        for d in devices:
+            groups = _launch(cluster, cfg, model_path, d, work_dir)
+            try:
+                rollout, reward, inference, actor = groups
+                sync_weights(actor, [rollout, inference], check=False)
+                chain(groups, min(batches), None)  # warm-up: first calls allocate, import and connect
+                for b in batches:
+                    for _ in range(repeats):
+                        chain(groups, b, d)
                 for _ in range(repeats):
-                    chain(groups, b, d)
-            syncs = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                sync_weights(actor, [rollout, inference], check=cfg.rollout.check_weight_sync)
-                syncs.append(time.perf_counter() - t)
-            info.setdefault("sync", []).extend(syncs)
-            if d == min(devices):
-                info["state"] = {name: g.state_bytes().wait()[0] for name, g in zip(COMPONENTS, groups)}
-                info["weights"] = actor.model_bytes().wait()[0]
-                info["machine"] = rollout.machine(len(cluster.nodes[0]["devices"])).wait()[0]
-                info["transfer"] = _transfer(reward, channel, info["items"])
-                info["switch"] = {name: _switch(g, repeats) for name, g in zip(COMPONENTS, groups)
-                                  if name != "reward"}
-        finally:
-            for g in groups:
-                g.kill()
-    shutil.rmtree(work_dir, ignore_errors=True)
+                    t = time.perf_counter()
+                    sync_weights(actor, [rollout, inference], check=cfg.rollout.check_weight_sync)
+                    info.setdefault("sync", []).append(time.perf_counter() - t)
+                if d == min(devices):
+                    info["state"] = {name: g.state_bytes().wait()[0] for name, g in zip(COMPONENTS, groups)}
+                    info["weights"] = actor.model_bytes().wait()[0]
+                    info["machine"] = rollout.machine(len(cluster.nodes[0]["devices"])).wait()[0]
+                    info["transfer"] = _transfer(reward, inp, info["items"])
+                    info["switch"] = {name: _switch(g, repeats) for name, g in zip(COMPONENTS, groups)
+                                      if name != "reward"}
+            finally:
+                for g in groups:
+                    g.kill()
+    finally:
+        inp.destroy()
+        out.destroy()
+        shutil.rmtree(work_dir, ignore_errors=True)
 
     profile = _table(cfg, cluster, rows, info, batch)
-    details.update(sync_seconds=info["sync"], optimizer_seconds=info["optimizer"],
-                   rollout_half_out=info["rollout_half_out"], transfer=info["transfer"], switch=info["switch"],
+    details.update(sync_seconds=info["sync"], optimizer_seconds=info["optimizer"], call_overhead_seconds=info["rpc"],
+                   rollout_first_out=info["rollout_first_out"], transfer=info["transfer"], switch=info["switch"],
                    state_bytes=info["state"])
     profile.save(out_path)
     profile.source = str(out_path)
@@ -299,16 +293,14 @@ def _switch(g, repeats: int) -> tuple[float, float]:
     return statistics.median(off), statistics.median(on)
 
 
-def _transfer(consumer, channel, items: dict) -> dict:
+def _transfer(consumer, ch: Channel, items: dict) -> dict:
     """Channel cost between processes: per-message latency (small items) and seconds per GB (4 MB tensors), as the
     driver's put plus the consumer's get; bytes per sample averaged over the flow's three channels."""
     def hop(payload) -> float:
         t = time.perf_counter()
-        ch = channel("transfer", payload)
+        ch.put_many(list(payload) + [END])
         put = time.perf_counter() - t
-        n, get = consumer.consume(ch).wait()[0]
-        ch.destroy()
-        return put + get
+        return put + consumer.consume(ch).wait()[0][1]
 
     small = [{"i": i, "reward": 0.5} for i in range(50)]
     latency = statistics.median(hop(small) for _ in range(3)) / len(small)
@@ -326,10 +318,17 @@ def _transfer(consumer, channel, items: dict) -> dict:
 def _table(cfg, cluster: Cluster, rows: dict, info: dict, batch: int) -> Profile:
     kind, memory = info["machine"]
     machine = Machine(kind, cluster.num_devices, int(memory))
-    measurements = [Measurement(name, n, d, statistics.median(r["seconds"] for r in rs),
-                                int(statistics.median(r["peak_bytes"] for r in rs)))
-                    for (name, n, d), rs in sorted(rows.items(), key=lambda kv: (COMPONENTS.index(kv[0][0]), kv[0][1:]))]
-    sync = statistics.median(info["sync"])
+    measurements = []
+    for name in COMPONENTS:
+        for d in sorted({d for c, _, d in rows if c == name}):
+            cells = sorted((n, rs) for (c, n, dd), rs in rows.items() if c == name and dd == d)
+            seconds = _non_decreasing([statistics.median(r["seconds"] for r in rs) for _, rs in cells],
+                                      [len(rs) for _, rs in cells])
+            measurements += [Measurement(name, n, d, s, int(statistics.median(r["peak_bytes"] for r in rs)))
+                             for (n, rs), s in zip(cells, seconds)]
+    # once per step in every plan of this flow: the weight sync (each component is its own process, so even
+    # collocated peers receive weights through the object store) and one round trip of the step's calls
+    per_step = statistics.median(info["sync"]) + statistics.median(info["rpc"])
     components = {}
     for name in COMPONENTS:
         off, on = info["switch"].get(name, (0.0, 0.0))
@@ -339,12 +338,11 @@ def _table(cfg, cluster: Cluster, rows: dict, info: dict, batch: int) -> Profile
             offload_seconds=off, onload_seconds=on,
             # the actor streams with one mini-batch and one epoch (it accumulates gradients per micro-batch)
             streams=not (name == "actor" and (cfg.actor.mini_batches > 1 or cfg.actor.epochs > 1)),
-            # once per step: the optimizer step, and the weight sync, which this flow does in every plan
-            # (each component is its own process; collocated peers do not share memory)
-            fixed_seconds=statistics.median(info["optimizer"]) + sync if name == "actor" else 0.0)
-    if statistics.median(info["rollout_half_out"]) > BURST_SHARE:
-        # the rollout emits its outputs in a burst at the end of its call: nothing after it can overlap with it, so
-        # the planner must treat the rest as a tail on the whole batch (a stage that waits for the whole batch)
+            # once per step: the optimizer step (timed on the fewest devices) + the per-step costs above
+            fixed_seconds=statistics.median(info["optimizer"]) + per_step if name == "actor" else 0.0)
+    if statistics.median(info["rollout_first_out"]) > BURST_SHARE:
+        # the rollout emits its outputs in a burst at the end of its call (e.g. every request fits in the engine's
+        # batch): nothing after it can overlap with it, so the rest is a tail on the whole batch
         components["reward"] = dataclasses.replace(components["reward"], streams=False)
     t = info["transfer"]
     return Profile(flow="reasoning", stages=COMPONENTS, batch=batch, machine=machine, components=components,
@@ -353,12 +351,27 @@ def _table(cfg, cluster: Cluster, rows: dict, info: dict, batch: int) -> Profile
                    weights=Weights(info["weights"], "actor", ("rollout", "inference")))
 
 
+def _non_decreasing(values: list[float], weights: list[int]) -> list[float]:
+    """The closest non-decreasing sequence (weighted least squares, pool adjacent violators): on a busy machine a
+    bigger batch can time faster than a smaller one by chance, never by nature."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (v2, w2, c2), (v1, w1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    return [v for v, _, c in blocks for _ in range(c)]
+
+
 def profile_command(config: str, overrides: list[str], out: str | None = None, batches: str | None = None,
                     repeats: int = 3) -> str:
     """`m2flow profile CONFIG [overrides] [--out P.json] [--batches 8,16,32]`: profile, write, return a summary."""
     from m2flow import config as C
 
-    cfg = C.load(C.ReasoningConfig, C.read_yaml(C.resolve_path(config)), overrides)
+    data = C.read_yaml(C.resolve_path(config))
+    if data.get("flow", "reasoning") != "reasoning":
+        raise C.ConfigError(f"config '{config}': the profiler covers the reasoning flow, not '{data['flow']}'")
+    cfg = C.load(C.ReasoningConfig, data, overrides)
     cluster = Cluster(cfg.cluster.address, cfg.cluster.cpu_devices)
     try:
         sizes = [int(s) for s in batches.split(",")] if batches else None

@@ -1,0 +1,83 @@
+"""Every plan the reasoning flow can run on this machine's devices, measured with the real flow beside the planner's
+prediction from a profile, and the plan that auto mode picks. Prints a table; asserts nothing.
+
+    python benchmarks/plans.py [--steps 5] [--prompts 8] [--n 4] [--tokens 8] [--out runs/bench_plans] [overrides ...]
+
+Auto mode (`cluster.placement=auto`) profiles the flow (or reuses OUT/auto/profile.json; --fresh re-profiles),
+searches and trains the chosen plan; then every other plan the flow can run trains as many steps (`--steps`). The
+measured step time is the median over the steps after the first. The machine may be shared: its load average is
+printed with the figures.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from m2flow import config as C
+from m2flow.flows.auto import measure_plan
+from m2flow.flows.reasoning import train
+from m2flow.runtime import Cluster
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=5, help="training steps per plan (the first is left out)")
+    p.add_argument("--prompts", type=int, default=8, help="rollout.prompts_per_step")
+    p.add_argument("--n", type=int, default=4, help="rollout.n (samples per prompt)")
+    p.add_argument("--tokens", type=int, default=8, help="rollout.max_new_tokens")
+    p.add_argument("--devices", type=int, default=2, help="CPU devices (cluster.cpu_devices)")
+    p.add_argument("--out", default="runs/bench_plans")
+    p.add_argument("--fresh", action="store_true", help="profile again even if OUT/auto/profile.json exists")
+    p.add_argument("overrides", nargs="*", help="more config overrides, e.g. model.tiny_hidden=128")
+    args = p.parse_args()
+
+    out = Path(args.out)
+    if args.fresh:
+        shutil.rmtree(out / "auto", ignore_errors=True)
+    batch = args.prompts * args.n
+    cfg = C.load(C.ReasoningConfig, None, [
+        f"run.dir={out}", "run.name=auto", "run.progress=false", "run.trace=false", f"run.steps={args.steps}",
+        f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.tokens}",
+        f"actor.micro_batch={batch}", "data.train_size=500", "data.eval_size=20", "cluster.placement=auto",
+        *args.overrides])
+    cluster = Cluster(cpu_devices=args.devices)
+    load0 = os.getloadavg()[0]
+    start = time.perf_counter()
+    train(cfg, cluster)  # auto mode: profile (unless OUT/auto/profile.json exists), plan, train the chosen plan
+    planned = time.perf_counter() - start
+    report = json.loads((out / "auto" / "plan_report.json").read_text())
+    print(f"  auto mode ({planned:.0f} s): {report['placement_spec']} (micro {report['micro_batch']}): "
+          f"{report['measured_step_seconds']:.4f} s/step", flush=True)
+    search = json.loads((out / "auto" / "plan_search.json").read_text())
+    rows = [{**search["candidates"][0], "measured": report["measured_step_seconds"]}]
+    for i, c in enumerate(search["candidates"][1:], 1):
+        measured = measure_plan(cfg, cluster, c["placement_spec"], c["micro_batch"], out / f"plan{i}", steps=args.steps)
+        rows.append({**c, "measured": measured})
+        print(f"  measured {c['placement_spec']} (micro {c['micro_batch']}): {measured:.4f} s/step", flush=True)
+    load1 = os.getloadavg()[0]
+
+    best = min(rows, key=lambda r: r["measured"])
+    pick = rows[0]
+    print(f"\nreasoning flow, {cluster.num_devices} CPU devices, {batch} samples per step ({args.prompts} prompts x "
+          f"{args.n}, {args.tokens} new tokens), {args.steps} steps per plan, median of steps 2..{args.steps}; "
+          f"load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} cores")
+    print(f"auto mode (profile + search + {args.steps} steps): {planned:.0f} s ({out / 'auto' / 'profile.json'})\n")
+    head = f"{'':2s} {'placement':46s} {'mode':13s} {'micro':>5s} {'predicted s':>11s} {'measured s':>10s} {'error':>7s}"
+    print(head)
+    print("-" * len(head))
+    for r in sorted(rows, key=lambda r: r["measured"]):
+        mark = "*" if r is pick else " "
+        err = (r["predicted_step_seconds"] - r["measured"]) / r["measured"]
+        print(f"{mark:2s} {r['placement_spec']:46s} {r['mode']:13s} {r['micro_batch']:5d} "
+              f"{r['predicted_step_seconds']:11.4f} {r['measured']:10.4f} {err:+7.1%}")
+    print(f"\n* auto chose: {pick['placement_spec']} (micro {pick['micro_batch']}), measured {pick['measured']:.4f} s; "
+          f"best measured: {best['placement_spec']} (micro {best['micro_batch']}) {best['measured']:.4f} s; "
+          f"auto is {pick['measured'] / best['measured'] - 1:+.1%} from the best")
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Auto mode on this machine (issue 6): `cluster.placement: auto` profiles the reasoning flow, plans for the 2 CPU
+devices and trains the chosen plan; then every other plan the flow can run there trains for as many steps. The plan
+auto mode picked must be within 10% of the best measured (on a loaded machine: see the retry below)."""
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from m2flow import config as C
+from m2flow.flows.auto import flow_plans, measure_plan
+from m2flow.flows.reasoning import train
+from m2flow.runtime import parse_placement
+from m2flow.scheduler.profile import Profile
+
+COMPONENTS = ["rollout", "reward", "inference", "actor"]
+STEPS = 4  # per plan; the first warms up, the median of the other 3 is the measured step time
+TOLERANCE = 0.10
+
+
+def make_cfg(tmp_path, placement="auto"):
+    return C.load(C.ReasoningConfig, None, [
+        f"run.dir={tmp_path}", "run.name=auto", "run.progress=false", "run.trace=false", f"run.steps={STEPS}",
+        "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=8", "actor.micro_batch=32",
+        "data.train_size=200", "data.eval_size=20", f"cluster.placement={placement}"])
+
+
+def test_flow_plans_are_runnable_by_the_flow():
+    """Every plan offered runs one process per component (a rank may span devices), offload off, whole groups."""
+    p = Profile.load(Path(__file__).resolve().parents[1] / "fixtures" / "profiles" / "reasoning_8xh100.json")
+    result = flow_plans(p, 8, group=8, top=1000)
+    assert result.candidates
+    for c in result.candidates:
+        placement = parse_placement(c.spec, 8, COMPONENTS)
+        assert all(placement[name].world_size == 1 for name in COMPONENTS), c.spec
+        assert not c.offload and c.micro_batch % 8 == 0
+        assert placement.mode == c.mode
+
+
+@pytest.mark.timeout(1800)  # 5-6 min at a load average of 15 on 2 cores (8 profiling + 16 flow worker launches)
+def test_auto_picks_a_plan_within_10_percent_of_the_best_measured(cluster, tmp_path):
+    cfg = make_cfg(tmp_path)
+    run = tmp_path / "auto"
+    start = time.perf_counter()
+    train(cfg, cluster)  # placement: auto -> profile, plan, train the chosen plan, report
+    print(f"\nauto mode (profile + plan + {STEPS} steps): {time.perf_counter() - start:.0f} s")
+
+    profile = Profile.load(run / "profile.json")
+    for name in COMPONENTS:
+        assert {m.devices for m in profile.measurements if m.component == name} == {1, 2}, name
+    assert profile.components["actor"].state_bytes > 0 and profile.components["actor"].fixed_seconds > 0
+    assert profile.transfer.latency_seconds > 0 and profile.transfer.bytes_per_sample > 0
+    search = json.loads((run / "plan_search.json").read_text())
+    chosen = search["chosen"]
+    plan = yaml.safe_load((run / "plan.yaml").read_text())
+    assert plan["chosen_by"] == "auto" and plan["placement_spec"] == chosen["placement_spec"]
+    assert all(len(ranks) == 1 for ranks in plan["placement"].values())  # one process per component
+    assert chosen["placement_spec"] in (run / "plan_candidates.txt").read_text()
+    report = json.loads((run / "plan_report.json").read_text())
+    assert report["placement_spec"] == chosen["placement_spec"] and report["steps"] == STEPS
+    assert report["measured_step_seconds"] > 0 and math.isfinite(report["error"])
+
+    # every placement the flow can run on 2 devices, at the micro-batch the planner ranks best for it
+    plans, seen = [], set()
+    for c in search["candidates"]:
+        if c["placement_spec"] not in seen:
+            seen.add(c["placement_spec"])
+            plans.append(c)
+    assert {parse_placement(c["placement_spec"], 2, COMPONENTS).mode for c in plans} >= {"collocated", "hybrid"}
+    assert plans[0] == chosen
+
+    def measure(c, i):
+        t = time.perf_counter()
+        seconds = measure_plan(cfg, cluster, c["placement_spec"], c["micro_batch"], tmp_path / f"plan{i}", STEPS)
+        print(f"{c['placement_spec']}: {seconds:.3f} s/step ({time.perf_counter() - t:.0f} s to run)", flush=True)
+        return seconds
+
+    measured = [report["measured_step_seconds"]] + [measure(c, i) for i, c in enumerate(plans) if i]
+    lines = [f"{c['placement_spec']:42s} micro {c['micro_batch']:3d}  predicted {c['predicted_step_seconds']:.3f} s  "
+             f"measured {m:.3f} s  error {(c['predicted_step_seconds'] - m) / m:+.0%}" + ("  <- auto" if i == 0 else "")
+             for i, (c, m) in enumerate(zip(plans, measured))]
+    print("\n".join(lines))
+    best = min(range(len(plans)), key=measured.__getitem__)
+    tolerance = TOLERANCE
+    if measured[0] > (1 + tolerance) * measured[best]:
+        # A shared machine: load that comes and goes between runs (a minute apart) can reorder plans of nearly equal
+        # speed. Time the two again, back to back; keep each one's faster run, and widen the tolerance to the
+        # run-to-run spread just seen, up to 50% (a plan twice as slow still fails).
+        again = [measure(plans[0], 0), measure(plans[best], best)]
+        spread = max(abs(a - b) / min(a, b) for a, b in zip(again, (measured[0], measured[best])))
+        measured[0], measured[best] = min(measured[0], again[0]), min(measured[best], again[1])
+        tolerance = min(max(TOLERANCE, spread), 0.5)
+        print(f"again: auto {again[0]:.3f} s, best {again[1]:.3f} s; run-to-run spread {spread:.0%}, "
+              f"tolerance {tolerance:.0%}")
+    assert measured[0] <= (1 + tolerance) * measured[best], "\n".join(lines)
