@@ -1,0 +1,350 @@
+"""GRPO step time and learning, m2flow vs TRL's GRPOTrainer, on identical work on this machine's CPU cores.
+
+Both systems start from one model directory (a tiny Qwen2 with a character tokenizer, SFT-warm-started once on
+the task), see the same prompts in the same order (synthetic 2-digit addition, `--prompts` prompts x `--n`
+samples per step), sample at temperature 1 with the same max completion length, and take one AdamW step per
+batch with the same learning rate (constant), gradient clip, clip range and KL coefficient, the loss a token
+mean over the whole batch. m2flow runs in each plan of `--plans` (each worker pinned to its device's cores);
+TRL runs in this process (transformers generate, no vLLM) with torch using both cores. Held-out greedy accuracy
+is measured with the same evaluator for every system. Prints one table, beside the machine's matmul limit.
+
+    python benchmarks/grpo_vs_trl.py                      # 20 steps each after an 800-step SFT warm start
+    python benchmarks/grpo_vs_trl.py --steps 40 --sft-steps 800 --kl-coef 0.001
+    python benchmarks/grpo_vs_trl.py --quick              # CI-sized smoke: tiny batch, few steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import transformers
+
+from m2flow import config as C
+from m2flow.engines.hf import init_tiny_model, load_model, load_tokenizer
+from m2flow.flows.demo import evaluate_model
+from m2flow.flows.reasoning import sft_model, train
+from m2flow.workloads.reasoning.rewards import exact_match
+from m2flow.workloads.reasoning.tasks import build_datasets
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+PLANS = {  # name -> cluster.placement over two CPU devices, each half of the cores (one core each on 2 cores)
+    "pipelined": "rollout: 0; reward,inference,actor: 1",
+    "collocated": "rollout,reward,inference,actor: 0-1:0",
+}
+
+
+# ---------------------------------------------------------------------------------------------- setup
+
+
+def matmul_gflops(threads: int, n: int = 1024, repeats: int = 5) -> float:
+    """fp32 GFLOP/s of an n x n torch.matmul on `threads` threads (best of `repeats`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        return 2 * n**3 / best / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+# The benchmark's own settings (not a preset, so that edits to configs/ cannot change what it measures).
+BASE = {
+    "model": {"tiny_hidden": 64, "tiny_layers": 2},
+    "data": {"task": "arithmetic", "digits": 2, "ops": "+", "train_size": 5000, "eval_size": 500},
+    "sft": {"batch_size": 64, "lr": 3e-3},
+    "rollout": {"engine": "native", "temperature": 1.0, "top_p": 1.0, "top_k": 0},
+    "algorithm": {"name": "grpo", "advantage": "grpo", "clip_low": 0.2, "clip_high": 0.28, "loss_agg": "token-mean"},
+    "actor": {"lr_schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0, "grad_clip": 1.0,
+              "mini_batches": 1, "epochs": 1, "micro_batch": 32},
+}
+
+
+def make_cfg(args, out: Path, name: str, extra: list[str] = ()) -> C.ReasoningConfig:
+    """The shared config: BASE with this run's sizes (every system reads its settings from it)."""
+    overrides = [
+        f"run.dir={out}", f"run.name={name}", f"run.steps={args.steps}", f"run.seed={args.seed}", "run.save_every=0",
+        "run.progress=false", "run.trace=false", f"sft.steps={args.sft_steps}",
+        f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"actor.lr={args.lr}", f"algorithm.kl_coef={args.kl_coef}", f"data.eval_size={args.eval_size}", *extra,
+    ]
+    return C.load(C.ReasoningConfig, BASE, overrides)
+
+
+def start_model(args, out: Path) -> str:
+    """A tiny model, SFT-warm-started (once per output folder and settings): the model every system starts from."""
+    cfg = make_cfg(args, out, "start")
+    tag = f"h{cfg.model.tiny_hidden}_l{cfg.model.tiny_layers}_sft{cfg.sft.steps}_seed{cfg.run.seed}"
+    init, sft = out / f"init_{tag}", out / f"sft_{tag}"
+    if not (init / "config.json").exists():
+        init_tiny_model(init, hidden_size=cfg.model.tiny_hidden, num_layers=cfg.model.tiny_layers, seed=cfg.run.seed)
+    if cfg.sft.steps <= 0:
+        return str(init)
+    if not (sft / "config.json").exists():
+        t = time.perf_counter()
+        tmp = out / f"{sft.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        sft_model(str(init), str(tmp), cfg, progress=False)
+        tmp.rename(sft)
+        print(f"  SFT warm start: {cfg.sft.steps} steps in {time.perf_counter() - t:.0f} s -> {sft}", flush=True)
+    return str(sft)
+
+
+def step_prompts(cfg: C.ReasoningConfig, model_path: str) -> list[dict]:
+    """The prompts m2flow's flow draws for steps 0..steps-1, in order (what TRL is fed, unshuffled)."""
+    train_set, _ = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)
+    return train_set.next_batch(cfg.run.steps * cfg.rollout.prompts_per_step)
+
+
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load avg {one:.1f} (1 min) {five:.1f} (5 min)"
+
+
+class LoadSampler:
+    """Mean of the 1-minute load average, sampled every `every` s while the block runs: how busy the shared
+    machine was (other people's jobs included) while one system was measured."""
+
+    def __init__(self, every: float = 5.0):
+        self.every, self.samples, self._stop = every, [], threading.Event()
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(self.every):
+                return
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> float:
+        return statistics.mean(self.samples) if self.samples else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- systems
+
+
+def run_m2flow(args, out: Path, model_path: str, plan: str, cluster) -> dict:
+    cfg = make_cfg(args, out, f"m2flow_{plan}", [f"model.path={model_path}", "sft.steps=0"])
+    cfg.cluster.placement = PLANS[plan]
+    shutil.rmtree(cfg.run.path, ignore_errors=True)
+    t = time.perf_counter()
+    result = train(cfg, cluster)
+    wall = time.perf_counter() - t
+    rows = [json.loads(line) for line in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines() if line]
+    if len(rows) != cfg.run.steps:
+        raise RuntimeError(f"m2flow {plan}: metrics.jsonl has {len(rows)} steps, expected {cfg.run.steps}")
+    ranks = len(result["plan"]["placement"]["rollout"])  # rollout metrics are averaged over ranks
+    return {"seconds": [r["time/step"] for r in rows], "tokens": [r["rollout/tokens"] * ranks for r in rows],
+            "reward": [r["reward/mean"] for r in rows], "wall": wall, "model": result["final_model"], "cfg": cfg}
+
+
+def run_trl(args, out: Path, model_path: str) -> dict:
+    try:
+        import datasets
+        import trl
+        from transformers import PrinterCallback, TrainerCallback
+    except ImportError as e:
+        raise RuntimeError(f"TRL is not installed ({e}); `pip install trl datasets`") from None
+
+    cfg = make_cfg(args, out, "trl")
+    prompts = step_prompts(cfg, model_path)
+    dataset = datasets.Dataset.from_list([{"prompt": p["prompt"], "answer": str(p["answer"])} for p in prompts])
+    run_dir = cfg.run.path
+    shutil.rmtree(run_dir, ignore_errors=True)
+    stats = {"tokens": [], "reward": [], "seconds": []}
+
+    def exact_match_reward(prompts, completions, completion_ids, answer, **_):
+        """TRL decodes with skip_special_tokens (eos gone); completion_ids include the eos, as m2flow counts."""
+        scores = [exact_match(c, a) for c, a in zip(completions, answer)]
+        stats["tokens"].append(sum(len(ids) for ids in completion_ids))
+        stats["reward"].append(sum(scores) / len(scores))
+        return scores
+
+    class StepTimer(TrainerCallback):
+        """Wall time of each optimizer step: generation, reward, loss, backward and the AdamW step."""
+
+        def on_step_begin(self, *_, **__):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            stats["seconds"].append(time.perf_counter() - self.start)
+
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.n
+    alg, actor = cfg.algorithm, cfg.actor
+    names = {f.name for f in dataclasses.fields(trl.GRPOConfig)}  # transformers 5 renamed gradient checkpointing
+    no_ckpt = {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": False}
+    grpo = trl.GRPOConfig(
+        output_dir=str(run_dir), use_cpu=True, bf16=False, fp16=False, **no_ckpt,
+        seed=cfg.run.seed, max_steps=cfg.run.steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        num_generations=cfg.rollout.n, max_completion_length=cfg.rollout.max_new_tokens, shuffle_dataset=False,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+        learning_rate=actor.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=actor.weight_decay,
+        max_grad_norm=actor.grad_clip, optim="adamw_torch",
+        loss_type="dapo", scale_rewards="group", num_iterations=1, epsilon=alg.clip_low, epsilon_high=alg.clip_high,
+        beta=alg.kl_coef, use_bias_correction_kl=False,
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    )
+    model = load_model(model_path).train()
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=exact_match_reward, args=grpo, train_dataset=dataset,
+                              processing_class=load_tokenizer(model_path), callbacks=[StepTimer()])
+    trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
+    t = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t
+    if len(stats["seconds"]) != cfg.run.steps or len(stats["tokens"]) != cfg.run.steps:
+        raise RuntimeError(f"TRL ran {len(stats['seconds'])} optimizer steps and {len(stats['tokens'])} generation "
+                           f"rounds, expected {cfg.run.steps} of each")
+    final = run_dir / "final_model"
+    trainer.save_model(str(final))
+    return {**stats, "wall": wall, "model": str(final), "cfg": cfg}
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def summarize(name: str, r: dict, warmup: int) -> dict:
+    timed = slice(warmup, None) if len(r["seconds"]) > warmup else slice(None)
+    seconds, tokens = r["seconds"][timed], r["tokens"][timed]
+    return {"name": name, "median": statistics.median(seconds), "min": min(seconds), "tok_s": sum(tokens) / sum(seconds),
+            "reward": r["reward"], "wall": r["wall"], "load": r["load"], **{k: v for k, v in r.items() if k.startswith("pass@")}}
+
+
+def print_table(rows: list[dict], steps: int, failed: dict[str, str]) -> None:
+    trl = next((r for r in rows if r["name"] == "TRL GRPOTrainer"), None)
+    k = max(1, min(5, steps // 2))  # steps averaged for the train reward at the start and at the end
+    header = (f"{'system / plan':<20} | {'median s/step':>13} | {'min s/step':>10} | {'speedup vs TRL':>14} | {'gen tok/s':>9} | "
+              f"{f'train reward first{k}->last{k}':>26} | {f'held-out pass@1 after {steps}':>25} | {'pass@8':>6} | {'load':>4}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        speed = f"{trl['median'] / r['median']:.2f}x" if trl else "n/a"
+        reward = f"{statistics.mean(r['reward'][:k]):.3f} -> {statistics.mean(r['reward'][-k:]):.3f}"
+        print(f"{r['name']:<20} | {r['median']:>13.3f} | {r['min']:>10.3f} | {speed:>14} | {r['tok_s']:>9.0f} | {reward:>26} | "
+              f"{r['pass@1']:>25.1%} | {r['pass@8']:>6.1%} | {r['load']:>4.1f}")
+    for name, err in failed.items():
+        print(f"{name:<20} | FAILED: {err}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20, help="GRPO steps per system")
+    ap.add_argument("--sft-steps", type=int, default=800, help="SFT warm-start steps of the shared start model")
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (GRPO group size)")
+    ap.add_argument("--max-new-tokens", type=int, default=5, help="max completion length, in tokens")
+    ap.add_argument("--lr", type=float, default=1e-4, help="learning rate (constant; 5e-4 lowers the 800-step SFT "
+                    "model's held-out accuracy in both systems)")
+    ap.add_argument("--kl-coef", type=float, default=0.0, help="KL coefficient (m2flow algorithm.kl_coef = TRL beta)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the median (warm-up)")
+    ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS), help="m2flow plans to run")
+    ap.add_argument("--no-trl", action="store_true", help="run m2flow only")
+    ap.add_argument("--trl-threads", type=int, default=CORES, help="torch threads of the TRL process (default: all cores)")
+    ap.add_argument("--eval-size", type=int, default=500, help="held-out problems (greedy pass@1, pass@8)")
+    ap.add_argument("--out", default="runs/bench_grpo_vs_trl", help="folder for models and runs")
+    ap.add_argument("--quick", action="store_true", help="CI-sized smoke: 3 steps, 8 prompts x 4, 20 SFT steps, "
+                    "32 held-out problems")
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.sft_steps, args.prompts, args.n = 3, 20, 8, 4
+        args.eval_size = 32
+    if args.steps < 1 or args.prompts < 1 or args.n < 2 or args.max_new_tokens < 1 or args.trl_threads < 1 \
+            or args.eval_size < 1:
+        ap.error("need --steps, --prompts, --max-new-tokens, --trl-threads, --eval-size >= 1 and --n >= 2")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no weight-loading bars in Ray workers (they inherit it)
+    transformers.utils.logging.disable_progress_bar()  # nor here
+
+    print(f"machine: {CORES} cores, torch {torch.__version__}; fp32 matmul limit (1024^3): "
+          f"{matmul_gflops(1):.0f} GFLOP/s on 1 thread, {matmul_gflops(CORES):.0f} GFLOP/s on {CORES} threads; {load()}")
+    print(f"work per step: {args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} new tokens, "
+          f"temperature 1.0, lr {args.lr:g} (constant), kl_coef {args.kl_coef:g}; {args.steps} steps, "
+          f"median over steps {args.warmup + 1}..{args.steps}", flush=True)
+    model_path = start_model(args, out)
+    eval_cfg = make_cfg(args, out, "eval")
+    before = evaluate_model(model_path, eval_cfg, k=8)
+    print(f"  start model: held-out pass@1 {before['pass@1']:.1%}, pass@8 {before['pass@8']:.1%} "
+          f"({before['problems']} problems)", flush=True)
+
+    results: dict[str, dict] = {}
+    failed: dict[str, str] = {}
+
+    def attempt(name: str, fn) -> None:
+        print(f"  running {name} ... ({load()})", flush=True)
+        try:
+            with LoadSampler() as sampler:
+                r = fn()
+            r["load"] = sampler.mean
+            r.update(evaluate_model(r["model"], eval_cfg, k=8))
+            results[name] = r
+            print(f"  {name}: median {statistics.median(r['seconds'][args.warmup:] or r['seconds']):.3f} s/step, "
+                  f"wall {r['wall']:.0f} s, pass@1 {r['pass@1']:.1%} ({load()})", flush=True)
+        except Exception as e:  # one failing system must not hide the others' numbers
+            traceback.print_exc()
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    if args.plans:
+        from m2flow.runtime import Cluster
+
+        cluster = Cluster(cpu_devices=2)  # m2flow and TRL both get every core
+        try:
+            print(f"  {cluster!r}; plans: " + "; ".join(f"{p} = '{PLANS[p]}'" for p in args.plans), flush=True)
+            for plan in args.plans:
+                attempt(f"m2flow {plan}", lambda plan=plan: run_m2flow(args, out, model_path, plan, cluster))
+        finally:
+            cluster.shutdown()
+    if not args.no_trl:
+        torch.set_num_threads(args.trl_threads)
+        attempt("TRL GRPOTrainer", lambda: run_trl(args, out, model_path))
+
+    print()
+    print(f"GRPO on {args.prompts} prompts x {args.n} samples per step (2-digit addition, tiny Qwen2 "
+          f"h{eval_cfg.model.tiny_hidden}/l{eval_cfg.model.tiny_layers}, SFT {args.sft_steps} steps), {args.steps} steps; "
+          f"start model held-out pass@1 {before['pass@1']:.1%}, pass@8 {before['pass@8']:.1%}")
+    rows = [summarize(name, r, args.warmup) for name, r in results.items()]
+    print_table(rows, args.steps, failed)
+    record = {"args": vars(args), "cores": CORES, "start": before, "failed": failed,
+              "systems": {n: {k: v for k, v in r.items() if k != "cfg"} for n, r in results.items()}}
+    (out / "results.json").write_text(json.dumps(record, indent=1))
+    for plan in args.plans:
+        print(f"m2flow {plan}: cluster.placement '{PLANS[plan]}'")
+    half = max(1, CORES // 2)
+    print(f"threads: m2flow pipelined = one process per component, pinned to its device's {half} core(s), {half} torch "
+          f"thread(s) each; m2flow collocated = one process per component over all {CORES} cores, {CORES} threads, "
+          f"taking turns; TRL = this process, torch.set_num_threads({args.trl_threads}).")
+    print(f"speedup vs TRL = TRL's median s/step / the row's; min s/step = fastest timed step (least disturbed by "
+          f"other jobs); per-step numbers: {out / 'results.json'}")
+    print("gen tok/s = generated tokens (eos included) / step time, over the timed steps; held-out = "
+          f"{before['problems']} problems, greedy; pass@8 = any of 8 samples at temperature 1; "
+          f"load = mean 1-minute load average while the system trained ({CORES} cores; above that, "
+          "other jobs were competing for them).")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
