@@ -1,8 +1,9 @@
 """Embodied RL (PPO / GRPO in gymnasium simulators): the macro flow, one driver for every plan.
 
-env workers <-> policy workers (each stage's obs and actions through channels) -> actor -> weights back to the
-policy workers. Lockstep or pipelined stages, collocated or hybrid placement, one env worker or several: all of it
-lives in the config and the plan, not here. `evaluate_checkpoint` runs a saved policy deterministically.
+env workers <-> policy workers (each env stage's obs out, its actions back) -> trajectories through a channel ->
+actor -> weights back to the policy workers. Lockstep or pipelined stages, collocated or hybrid placement, one env
+worker or several: all of it lives in the config and the plan, not here. `evaluate_checkpoint` runs a saved policy
+deterministically.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from m2flow.workers.policy import PolicyWorker, make_policy
 
 COMPONENTS = ["env", "rollout", "actor"]
 PLOTS = {
-    "return": ["rollout/return", "rollout/return_window"],
+    "return": ["rollout/return", "rollout/return_window", "eval/return_mean"],
     "success": ["rollout/success_once"],
     "losses": ["actor/pg_loss", "actor/vf_loss", "actor/entropy"],
     "kl_clip": ["actor/approx_kl", "actor/clipfrac", "actor/explained_var"],
@@ -61,7 +62,7 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
         wait_all([actor.load_checkpoint(str(ckpt)), env.load_state(str(ckpt))])
         state = torch.load(ckpt / "driver.pt", weights_only=False)
         env_steps, recent = state["env_steps"], deque(state["recent"], maxlen=cfg.run.stop_window)
-        run.drop_metrics_from(start + 1)
+        run.drop_metrics_after(start)
     sync_weights(actor, rollout)
 
     last, step, saved = {}, start, None
@@ -84,11 +85,16 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
                 last = {**iteration_metrics(env_out, recent), **mean_over_ranks(actor_out), "env_steps": env_steps,
                         "throughput/env_steps_per_s": sum(o["env_steps"] for o in env_out) / (t2 - t0),
                         "time/iteration": t2 - t0, "time/weight_sync": t2 - t1}
-                run.log(step + 1, last)
                 stop = (cfg.run.stop_return is not None and len(recent) == recent.maxlen
                         and last["rollout/return_window"] >= cfg.run.stop_return)
-                if (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0) or step + 1 == cfg.run.steps or stop:
+                every = cfg.run.save_every and (step + 1) % cfg.run.save_every == 0
+                evaluate = cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0 and cfg.eval.episodes
+                if every or evaluate or step + 1 == cfg.run.steps or stop:
                     saved = save_checkpoint(run, cfg, step + 1, actor, env, env_steps, recent)
+                if evaluate:  # in this process, from the checkpoint just written
+                    scores = evaluate_checkpoint(saved, cfg.eval.episodes)
+                    last.update({f"eval/{k}": v for k, v in scores.items() if isinstance(v, float)})
+                run.log(step + 1, last)
                 bar.update(task, advance=1, info=f"return {last['rollout/return_window']:.1f}  "
                                                  f"{last['throughput/env_steps_per_s']:.0f} env steps/s")
                 if stop:
@@ -97,6 +103,9 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
             spans = [s for g in groups for s in g.spans()]
             write_chrome_trace(spans, run.path / "trace.json")
             plot_timeline(spans, run.path / "plots" / "timeline.png")
+            one = min(start + 1, step)  # one rollout, zoomed in: env stages and policy inference side by side
+            plot_timeline([s for s in spans if s["step"] == one and s["component"] in ("env", "rollout")],
+                          run.path / "plots" / "timeline_rollout.png", title=f"rollout of iteration {one + 1}")
         run.plot(PLOTS)
     finally:
         run.close()
@@ -122,7 +131,8 @@ def iteration_metrics(env_out: list[dict], recent) -> dict:
     """Episodes finished this iteration (raw return, length, success_once) and where the rollout's time went."""
     episodes = [e for out in env_out for e in out["episodes"]]
     steps, rollout_s = sum(o["env_steps"] for o in env_out), max(o["seconds"] for o in env_out)
-    out = {"rollout/episodes": len(episodes), "rollout/return_window": float(np.mean(recent)) if recent else float("nan"),
+    out = {"rollout/episodes": len(episodes),
+           "rollout/return_window": float(np.mean(recent)) if recent else float("nan"),
            "throughput/rollout_env_steps_per_s": steps / rollout_s, "time/rollout": rollout_s,
            "env/fps": steps / max(sum(o["env_time"] for o in env_out), 1e-9),
            "policy/fps": steps / max(sum(o["policy_time"] for o in env_out), 1e-9),
@@ -151,10 +161,16 @@ def save_checkpoint(run: RunDir, cfg, step: int, actor, env, env_steps: int, rec
 
 
 def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | None = None) -> dict:
-    """Run the checkpoint's policy deterministically (mode of the distribution) for `episodes` episodes, each env
-    its first episode per round, with the saved obs normalization frozen. Returns mean/std return, mean length,
-    success rate where the env reports success, and the video folder if `video_dir` (env 0's first episode)."""
+    """Run a checkpoint's policy (or a run directory's newest one) deterministically, with the mode of its action
+    distribution, for `episodes` episodes (each env's first episode per round) under the saved obs normalization,
+    frozen. Returns mean/std return, mean length, the success rate where the env reports success, and the video
+    folder if `video_dir` (env 0's first episode, recorded where the env renders rgb_array frames)."""
     path = Path(path)
+    if not (path / "policy.safetensors").exists() and (path / "checkpoints").is_dir():  # a run directory: its newest
+        done = [p for p in (path / "checkpoints").glob("step_*") if (p / "COMPLETE").exists()]
+        path = max(done, key=lambda p: int(p.name[5:]), default=path)
+    if not (path / "policy.safetensors").exists():
+        raise FileNotFoundError(f"{path}: no policy.safetensors (expected an embodied checkpoint or run directory)")
     cfg = C.load(EmbodiedConfig, C.read_yaml(path / "config.yaml"))
     n = max(1, min(episodes, cfg.eval.num_envs))
     render = "rgb_array" if video_dir and not cfg.env.pixels else None

@@ -55,7 +55,6 @@ class EnvWorker(Worker):
         self.group = make_env_group(cfg, n, cfg.run.seed + self.lo // e.seed_groups)
         self.stages = self.group.split(e.pipeline_stages)
         self.obs: list[np.ndarray] | None = None  # current obs per stage
-        self.t = 0  # policy time steps taken so far: the sampling-noise clock
 
     def spaces(self):
         return self.group.observation_space, self.group.action_space
@@ -80,10 +79,12 @@ class EnvWorker(Worker):
         truncs = [np.zeros(0, np.int64) for _ in self.stages]
         timing = {"env_time": 0.0, "wait_time": 0.0, "policy_time": 0.0}
         env_steps, start = 0, time.perf_counter()
+        t0 = step * steps  # policy time step of the rollout's first action: the sampling-noise clock
 
         def ask(s: int, t: int, obs: np.ndarray, final, values_only: bool):
-            return policy.act({"env_rank": self.rank, "stage": s, "t": t, "lo": self.lo + self.stages[s].env_indices.start,
-                               "total": self.total, "obs": torch.as_tensor(obs), "final_obs": final,
+            lo = self.lo + self.stages[s].env_indices.start  # global index of the stage's first env
+            return policy.act({"env_rank": self.rank, "stage": s, "t": t, "lo": lo, "total": self.total,
+                               "obs": obs, "final_obs": final,
                                "values_only": values_only, "step": step, "trace": trace})
 
         def answer(s: int) -> dict:
@@ -92,10 +93,10 @@ class EnvWorker(Worker):
             timing["wait_time"] += time.perf_counter() - w
             timing["policy_time"] += reply["seconds"]
             if truncs[s].size:  # V(final obs) of the stage's episodes truncated on the previous step
-                rows[s][-1]["final_values"][torch.from_numpy(truncs[s])] = reply["final_values"].float()
+                rows[s][-1]["final_values"][truncs[s]] = reply["final_values"]
             return reply
 
-        pending = [ask(s, self.t, self.obs[s], None, steps == 0) for s in range(len(self.stages))]
+        pending = [ask(s, t0, self.obs[s], None, steps == 0) for s in range(len(self.stages))]
         for t in range(steps):
             for s, st in enumerate(self.stages):
                 reply = answer(s)
@@ -105,23 +106,20 @@ class EnvWorker(Worker):
                 if trace:
                     self.tracer.record(f"env s{s}", wall, time.time(), step)
                 env_steps += int(res.env_steps.sum())
-                rows[s].append({"obs": torch.as_tensor(self.obs[s]), "actions": reply["actions"],
-                                "logprobs": reply["logprobs"], "values": reply["values"],
-                                "rewards": torch.from_numpy(res.reward), "raw_rewards": torch.from_numpy(res.raw_reward),
-                                "terminated": torch.from_numpy(res.terminated),
-                                "truncated": torch.from_numpy(res.truncated),
-                                "final_values": torch.zeros(st.num_envs)})
+                rows[s].append({"obs": self.obs[s], "actions": reply["actions"], "logprobs": reply["logprobs"],
+                                "values": reply["values"], "rewards": res.reward, "raw_rewards": res.raw_reward,
+                                "terminated": res.terminated, "truncated": res.truncated,
+                                "final_values": np.zeros(st.num_envs, np.float32)})
                 truncs[s] = np.flatnonzero(res.truncated)
                 self.obs[s] = res.obs
-                final = torch.as_tensor(res.final_obs[truncs[s]]) if truncs[s].size else None
-                pending[s] = ask(s, self.t + t + 1, res.obs, final, t == steps - 1)
+                final = res.final_obs[truncs[s]] if truncs[s].size else None
+                pending[s] = ask(s, t0 + t + 1, res.obs, final, t == steps - 1)
         parts = []
         for s in range(len(self.stages)):
-            next_values = answer(s)["values"].float()
-            cols = {k: torch.stack([r[k] for r in rows[s]]) for k in rows[s][0]} if rows[s] else {}
+            next_values = torch.tensor(answer(s)["values"])
+            cols = {k: torch.from_numpy(np.stack([r[k] for r in rows[s]])) for k in rows[s][0]} if rows[s] else {}
             cols.pop("raw_rewards", None)
-            parts.append(Trajectory(**cols, next_obs=torch.as_tensor(self.obs[s]), next_values=next_values))
-        self.t += steps
+            parts.append(Trajectory(**cols, next_obs=torch.from_numpy(self.obs[s]), next_values=next_values))
         traj = Trajectory.cat_envs(parts)
         episodes = self.group.pop_episodes()
         for e in episodes:
@@ -135,8 +133,11 @@ class EnvWorker(Worker):
     def _scores(self, rows: list[list[dict]], episodes: list[dict]) -> torch.Tensor:
         """GRPO outcome of each env's first episode this rollout: success_once where the env reports success
         (algorithm.score), else its raw return (partial if it did not end)."""
-        done = torch.cat([torch.stack([r["terminated"] | r["truncated"] for r in rs]) for rs in rows], 1)
-        raw = torch.cat([torch.stack([r["raw_rewards"] for r in rs]) for rs in rows], 1)
+        def column(key):  # [T, n] over all stages
+            return torch.from_numpy(np.concatenate([np.stack([r[key] for r in rs]) for rs in rows], 1))
+
+        done = column("terminated") | column("truncated")
+        raw = column("raw_rewards")
         partial = (raw * first_episode_mask(done)).sum(0)
         first: dict[int, dict] = {}
         for e in episodes:

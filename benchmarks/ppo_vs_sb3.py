@@ -1,0 +1,182 @@
+"""m2flow PPO vs Stable-Baselines3 PPO with identical hyperparameters, on this machine, in one run: env steps/s
+during training, the ratio, wall time (and env steps) to a return threshold, and the return at the end. The raw
+simulator limit (a plain SyncVectorEnv with random actions) is printed beside them. Asserts nothing.
+
+Hyperparameters are the m2flow presets, given to SB3 one for one: configs/ppo_cartpole.yaml (rl-zoo's CartPole-v1
+PPO; `--cartpole sb3` uses SB3's PPO defaults on 8 envs instead) and configs/ppo_halfcheetah.yaml (rl-zoo's
+HalfCheetah PPO on 8 envs, VecNormalize). Both run on one core each: m2flow's env, policy and actor share device 0
+(`--placement` for another plan), SB3 in this process with torch.set_num_threads(1). The return threshold is the
+mean raw return of the last 20 training episodes (CartPole 475: both stop there; HalfCheetah 1400: both go on to
+the full budget, 1M env steps by default, over an hour each on 2 cores: run it in the background).
+
+    python benchmarks/ppo_vs_sb3.py --env-ids CartPole-v1
+    nohup python benchmarks/ppo_vs_sb3.py --env-ids HalfCheetah-v5 > runs/bench/ppo_vs_sb3_halfcheetah.log 2>&1 &
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from m2flow import config as C  # noqa: E402
+
+PRESETS = {"CartPole-v1": ("ppo_cartpole", 475.0), "HalfCheetah-v5": ("ppo_halfcheetah", 1400.0)}
+WINDOW = 20
+
+SB3_DEFAULTS = ["rollout.steps=256", "actor.minibatch_size=64", "actor.epochs=10", "actor.lr=3e-4",
+                "actor.anneal_lr=false", "algorithm.gamma=0.99", "algorithm.lam=0.95", "algorithm.anneal_clip=false"]
+
+
+def sb3_kwargs(cfg) -> dict:
+    """The SB3 PPO arguments equal to an m2flow EmbodiedConfig (linear schedules where it anneals)."""
+    from torch import nn
+
+    a, alg, p = cfg.actor, cfg.algorithm, cfg.policy
+    lr = (lambda f: a.lr * f) if a.anneal_lr else a.lr
+    clip = (lambda f: alg.clip * f) if alg.anneal_clip else alg.clip
+    act = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "elu": nn.ELU}[p.activation]
+    return dict(n_steps=cfg.rollout.steps, batch_size=a.minibatch_size, n_epochs=a.epochs, learning_rate=lr,
+                gamma=alg.gamma, gae_lambda=alg.lam, clip_range=clip, clip_range_vf=alg.clip_vf, ent_coef=alg.ent_coef,
+                vf_coef=alg.vf_coef, max_grad_norm=a.grad_clip, normalize_advantage=alg.norm_adv,
+                target_kl=alg.target_kl,
+                policy_kwargs=dict(net_arch=dict(pi=list(p.hidden), vf=list(p.hidden)), activation_fn=act,
+                                   log_std_init=p.log_std_init, ortho_init=p.ortho_init,
+                                   optimizer_kwargs=dict(eps=a.adam_eps)))
+
+
+def run_sb3(cfg, threshold: float, stop: bool, threads: int) -> dict:
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    torch.set_num_threads(threads)
+    e = cfg.env
+    env_kwargs = dict(e.kwargs, **({"max_episode_steps": e.max_episode_steps} if e.max_episode_steps else {}))
+    venv = make_vec_env(e.id, n_envs=e.num_envs, seed=cfg.run.seed, env_kwargs=env_kwargs)  # Monitor: raw returns
+    if e.norm_obs or e.norm_reward:
+        venv = VecNormalize(venv, norm_obs=e.norm_obs, norm_reward=e.norm_reward, clip_obs=e.clip_obs,
+                            clip_reward=e.clip_reward, gamma=cfg.algorithm.gamma)
+
+    class Threshold(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.recent, self.hit, self.start = deque(maxlen=WINDOW), None, time.perf_counter()
+
+        def _on_step(self) -> bool:
+            for info in self.locals["infos"]:
+                if "episode" in info:
+                    self.recent.append(info["episode"]["r"])
+            if self.hit is None and len(self.recent) == WINDOW and np.mean(self.recent) >= threshold:
+                self.hit = (time.perf_counter() - self.start, self.num_timesteps)
+                return not stop
+            return True
+
+    total = cfg.run.steps * cfg.rollout.steps * e.num_envs
+    model = PPO("MlpPolicy", venv, seed=cfg.run.seed, device="cpu", verbose=0, **sb3_kwargs(cfg))
+    cb = Threshold()
+    start = time.perf_counter()
+    model.learn(total_timesteps=total, callback=cb)
+    wall = time.perf_counter() - start
+    return {"steps": model.num_timesteps, "seconds": wall, "hit": cb.hit,
+            "final_return": float(np.mean(cb.recent)) if cb.recent else float("nan")}
+
+
+def run_m2flow(cfg, cluster, threshold: float) -> dict:
+    from m2flow.flows.embodied import train
+
+    start = time.perf_counter()
+    result = train(cfg, cluster)
+    wall = time.perf_counter() - start
+    rows = [json.loads(line) for line in open(Path(result["run_dir"]) / "metrics.jsonl")]
+    elapsed, hit = 0.0, None
+    for r in rows:
+        elapsed += r["time/iteration"]
+        if hit is None and r.get("rollout/return_window", float("-inf")) >= threshold:
+            hit = (elapsed, r["env_steps"])
+    return {"steps": rows[-1]["env_steps"], "seconds": elapsed, "wall_with_startup": wall, "hit": hit,
+            "final_return": rows[-1]["rollout/return_window"]}
+
+
+def sim_limit(env_id: str, num_envs: int) -> float:
+    from sim_limit import measure
+
+    rows = measure(env_id, num_envs, seconds=0.5, repeats=3)
+    return next(rate for name, _, rate in rows if name.startswith("SyncVectorEnv"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--env-ids", nargs="+", default=["CartPole-v1", "HalfCheetah-v5"])
+    p.add_argument("--cartpole", choices=["zoo", "sb3"], default="zoo", help="CartPole hyperparameters: the preset "
+                   "(rl-zoo) or SB3's PPO defaults on 8 envs")
+    p.add_argument("--total-steps", type=int, default=None, help="env step budget (default: the preset's)")
+    p.add_argument("--placement", default=None, help="m2flow placement (default: the preset's)")
+    p.add_argument("--stages", type=int, default=None, help="m2flow env.pipeline_stages (default: the preset's)")
+    p.add_argument("--sb3-threads", type=int, default=1)
+    p.add_argument("--out", default="runs/bench")
+    args = p.parse_args()
+
+    from m2flow.runtime import Cluster
+
+    cluster = Cluster(cpu_devices=2)
+    lines = []
+    for env_id in args.env_ids:
+        preset, threshold = PRESETS[env_id]
+        over = [f"run.dir={args.out}", f"run.name=vs_sb3_{env_id}", "run.progress=false", "eval.episodes=0",
+                "run.save_every=0", "run.stop_return=null"]
+        if env_id == "CartPole-v1" and args.cartpole == "sb3":
+            over += SB3_DEFAULTS + ["run.steps=49"]  # 49 x 8 x 256 = 100k env steps
+        cfg = C.load(C.EmbodiedConfig, preset, over)
+        if args.total_steps:
+            cfg.run.steps = -(-args.total_steps // (cfg.rollout.steps * cfg.env.num_envs))
+        if args.placement:
+            cfg.cluster.placement = args.placement
+        if args.stages:
+            cfg.env.pipeline_stages = args.stages
+        stop = env_id == "CartPole-v1"
+        if stop:
+            cfg.run.stop_return, cfg.run.stop_window = threshold, WINDOW
+        budget = cfg.run.steps * cfg.rollout.steps * cfg.env.num_envs
+        print(f"== {env_id}: {budget:,} env steps budget, {cfg.env.num_envs} envs x {cfg.rollout.steps} steps, "
+              f"threshold {threshold} (mean of last {WINDOW} episodes){', stop there' if stop else ''}; "
+              f"m2flow placement '{cfg.cluster.placement}', {cfg.env.pipeline_stages} stage(s); "
+              f"load average {os.getloadavg()[0]:.1f}", flush=True)
+        limit = sim_limit(env_id, cfg.env.num_envs)
+        ours = run_m2flow(cfg, cluster, threshold)
+        print(f"   m2flow done: {ours}", flush=True)
+        theirs = run_sb3(cfg, threshold, stop, args.sb3_threads)
+        print(f"   sb3 done: {theirs}", flush=True)
+        lines.append((env_id, cfg, limit, ours, theirs, threshold))
+
+    print("\n| env | runner | env steps | train s | env steps/s | vs SB3 | time to threshold | steps to threshold | "
+          "final return |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for env_id, cfg, limit, ours, theirs, threshold in lines:
+        for name, r in (("m2flow", ours), ("SB3", theirs)):
+            rate = r["steps"] / r["seconds"]
+            ratio = rate / (theirs["steps"] / theirs["seconds"])
+            hit_s = f"{r['hit'][0]:.0f} s" if r["hit"] else "not reached"
+            hit_n = f"{r['hit'][1]:,}" if r["hit"] else "-"
+            print(f"| {env_id} | {name} | {r['steps']:,} | {r['seconds']:.0f} | {rate:,.0f} | {ratio:.2f}x | "
+                  f"{hit_s} | {hit_n} | {r['final_return']:.1f} |")
+        print(f"| {env_id} | simulator limit (SyncVectorEnv, {cfg.env.num_envs} envs, random actions) | | | "
+              f"{limit:,.0f} | | | | |")
+    print(f"\nthreshold: CartPole 475, HalfCheetah 1400 (mean raw return of the last {WINDOW} training episodes); "
+          "train s excludes m2flow's worker start-up and SB3's model construction. "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}.")
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()
