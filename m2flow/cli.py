@@ -18,11 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("overrides", nargs="*", help="e.g. run.steps=50 cluster.placement='rollout: 0; actor,inference,reward: 1'")
     t.add_argument("--help-config", action="store_true", help="list every config field with its default and meaning")
 
-    e = sub.add_parser("eval", help="held-out greedy pass@1 and sampled pass@k of a model directory or checkpoint")
+    e = sub.add_parser("eval", help="reasoning: held-out greedy pass@1 and pass@k; embodied: mean return and success rate")
     e.add_argument("model", help="HF model directory, or a checkpoint directory holding model/")
     e.add_argument("overrides", nargs="*", help="data.* overrides choosing the task, e.g. data.digits=2")
     e.add_argument("--k", type=int, default=8)
     e.add_argument("--limit", type=int, default=None, help="evaluate only the first N held-out problems")
+    e.add_argument("--episodes", type=int, default=10, help="embodied checkpoints: deterministic episodes to run")
+    e.add_argument("--video", default=None, help="embodied checkpoints: folder for a video of one episode")
 
     s = sub.add_parser("sft", help="supervised warm start on prompt -> answer pairs")
     s.add_argument("model", help="HF model directory to start from")
@@ -102,7 +104,18 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from pathlib import Path
+
     from m2flow import config as C
+
+    p = Path(args.model)
+    if (p / "policy.safetensors").exists() or any(p.glob("checkpoints/*/policy.safetensors")):
+        from m2flow.flows.embodied import evaluate_checkpoint  # an embodied policy: N deterministic episodes
+
+        result = evaluate_checkpoint(p, episodes=args.episodes, video_dir=args.video)
+        for key, value in result.items():
+            print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+        return 0
     from m2flow.flows.demo import evaluate_model
 
     result = evaluate_model(args.model, C.load(C.ReasoningConfig, None, args.overrides), k=args.k, limit=args.limit)
