@@ -313,8 +313,8 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = opt("grpo", "grpo | ppo")
-    advantage: str = opt("grpo", "advantage estimator: grpo | dr_grpo | rloo | reinforce_pp | gae (ppo)")
+    name: str = opt("grpo", "grpo (reasoning PPO with a critic is not built yet)")
+    advantage: str = opt("grpo", "advantage estimator: grpo | dr_grpo | rloo")
     clip_low: float = opt(0.2, "PPO clip epsilon below 1")
     clip_high: float = opt(0.28, "PPO clip epsilon above 1 (clip-higher)")
     dual_clip: float | None = opt(None, "dual-clip constant c (> 1), None: off")
@@ -322,8 +322,6 @@ class AlgorithmConfig:
     kl_coef: float = opt(0.0, "KL penalty against the reference (initial) policy, in the loss")
     kl_estimator: str = opt("k3", "k1 | k2 | k3")
     entropy_coef: float = opt(0.0, "entropy bonus")
-    gamma: float = opt(1.0, "PPO discount over tokens")
-    lam: float = opt(1.0, "PPO GAE lambda over tokens")
     dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal")
 
 
@@ -337,7 +335,6 @@ class ActorConfig:
     mini_batches: int = opt(1, "optimizer steps per training step (the batch is split into this many)")
     epochs: int = opt(1, "passes over the batch per training step")
     micro_batch: int = opt(32, "samples per forward/backward; also the streaming granularity when pipelined")
-    critic_lr: float = opt(1e-3, "critic learning rate (ppo)")
 
 
 @dataclass
@@ -360,8 +357,12 @@ class ReasoningConfig:
     sft: SFTConfig = section(SFTConfig, "supervised warm start")
 
     def validate(self, where: str) -> None:
-        if self.algorithm.name not in ("grpo", "ppo"):
-            raise ConfigError(f"algorithm.name must be grpo | ppo, got '{self.algorithm.name}'")
+        if self.algorithm.name != "grpo":
+            raise ConfigError(f"algorithm.name: the reasoning flow trains grpo (group-relative advantages); "
+                              f"'{self.algorithm.name}' (a critic worker) is not built yet")
+        if self.algorithm.advantage not in ("grpo", "dr_grpo", "rloo"):
+            raise ConfigError(f"algorithm.advantage must be grpo | dr_grpo | rloo for the reasoning flow, "
+                              f"got '{self.algorithm.advantage}'")
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be >= 2 for grpo (advantages are relative within a group)")
 

@@ -66,7 +66,7 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
 
     last: dict = {}
     with progress(cfg.run.progress) as bar:
-        task = bar.add_task("grpo" if cfg.algorithm.name == "grpo" else "ppo", total=cfg.run.steps, completed=start, info="")
+        task = bar.add_task(cfg.algorithm.name, total=cfg.run.steps, completed=start, info="")
         for step in range(start, cfg.run.steps):
             t0 = time.perf_counter()
             prompts = train_set.next_batch(cfg.rollout.prompts_per_step)
