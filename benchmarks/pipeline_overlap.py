@@ -7,7 +7,7 @@ stage's envs costs about what stepping them costs): pipelining can then hide one
 on two devices. Collocated on one device the two take turns on the same core, so stages cannot help there beyond
 hiding call latency.
 
-    python benchmarks/pipeline_overlap.py                      # HalfCheetah-v5, 64 envs, best of 3 x 64 steps
+    python benchmarks/pipeline_overlap.py                      # HalfCheetah-v5, 64 envs, best of 5 x 64 steps
     python benchmarks/pipeline_overlap.py --env-id CartPole-v1 --num-envs 64 --width 1024
 """
 
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--env-id", default="HalfCheetah-v5")
     p.add_argument("--num-envs", type=int, default=64)
     p.add_argument("--steps", type=int, default=64, help="policy steps per env per measured rollout")
-    p.add_argument("--repeats", type=int, default=3, help="rollouts per row, rows interleaved; the fastest counts")
+    p.add_argument("--repeats", type=int, default=5, help="rollouts per row, rows interleaved; the fastest counts")
     p.add_argument("--width", type=int, default=None, help="MLP width (default: calibrated to balance env time)")
     p.add_argument("--out", default="runs/bench", help="folder for the pipelined run's trace and timeline")
     args = p.parse_args()

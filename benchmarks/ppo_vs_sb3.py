@@ -7,9 +7,14 @@ PPO; `--cartpole sb3` uses SB3's PPO defaults on 8 envs instead) and configs/ppo
 HalfCheetah PPO on 8 envs, VecNormalize). Both run on one core each: m2flow's env, policy and actor share device 0
 (`--placement` for another plan), SB3 in this process with torch.set_num_threads(1). The return threshold is the
 mean raw return of the last 20 training episodes (CartPole 475: both stop there; HalfCheetah 1400: both go on to
-the full budget, 1M env steps by default, over an hour each on 2 cores: run it in the background).
+the full budget, 1M env steps by default, up to an hour each on 2 cores: run it in the background).
+
+Before the full runs, two load-robust comparisons (other processes' load drifts over an hour-long run): one PPO
+epoch of each library's update on the same data (interleaved, best of 5), and env steps/s during training over
+`--iters` iterations, m2flow and SB3 alternating for `--rounds` rounds, best round each.
 
     python benchmarks/ppo_vs_sb3.py --env-ids CartPole-v1
+    python benchmarks/ppo_vs_sb3.py --env-ids HalfCheetah-v5 --update-only     # the two quick comparisons
     nohup python benchmarks/ppo_vs_sb3.py --env-ids HalfCheetah-v5 > runs/bench/ppo_vs_sb3_halfcheetah.log 2>&1 &
 """
 
@@ -108,6 +113,72 @@ def run_m2flow(cfg, cluster, threshold: float) -> dict:
             "final_return": rows[-1]["rollout/return_window"]}
 
 
+HYBRID = ["cluster.placement=env: 0; rollout: 1; actor: 0-1", "env.pipeline_stages=2"]
+
+
+def throughput(cfg, cluster, iters: int, rounds: int) -> dict[str, float]:
+    """Env steps/s during training over `iters` iterations: m2flow as configured, m2flow hybrid (envs on device 0,
+    policy on 1, 2 stages, a 2-rank data-parallel actor) and SB3, alternating for `rounds` rounds, best round each:
+    robust to load from other processes drifting over a long run. Worker start-up is not counted."""
+    best = {"m2flow": 0.0, "m2flow hybrid": 0.0, "SB3": 0.0}
+    for r in range(rounds):
+        base = [f"run.steps={iters}", "run.stop_return=null", "run.trace=false", "eval.episodes=0"]
+        for name, extra in (("m2flow", []), ("m2flow hybrid", HYBRID)):
+            c = C.load(C.EmbodiedConfig, C.to_dict(cfg), base + extra + [f"run.name={cfg.run.name}_tp{r}"])
+            out = run_m2flow(c, cluster, float("inf"))
+            best[name] = max(best[name], out["steps"] / out["seconds"])
+        out = run_sb3(C.load(C.EmbodiedConfig, C.to_dict(cfg), base), float("inf"), False, 1)
+        best["SB3"] = max(best["SB3"], out["steps"] / out["seconds"])
+    return best
+
+
+def update_cost(cfg, repeats: int = 5) -> tuple[float, float]:
+    """Seconds per PPO epoch over one rollout's worth of random data (rollout.steps x num_envs samples, the preset's
+    minibatches), m2flow's update vs SB3's train(), same process, one thread, interleaved, best of `repeats`: the
+    update alone, free of rollout and worker overheads."""
+    from gymnasium import spaces
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.logger import configure
+
+    from m2flow.workers.embodied_actor import EmbodiedActorWorker, advantages, ppo_update
+    from m2flow.workloads.embodied import Trajectory
+
+    torch.set_num_threads(1)
+    T, N = cfg.rollout.steps, cfg.env.num_envs
+    venv = make_vec_env(cfg.env.id, n_envs=N, seed=0)
+    obs_space, act_space = venv.observation_space, venv.action_space
+    cfg1 = C.load(C.EmbodiedConfig, C.to_dict(cfg), ["actor.epochs=1"])
+    actor = EmbodiedActorWorker(cfg1, obs_space, act_space)
+    box = isinstance(act_space, spaces.Box)
+    act_shape = act_space.shape if box else ()
+    actions = torch.randn(T, N, *act_shape) if box else torch.randint(0, int(act_space.n), (T, N))
+    traj = Trajectory(obs=torch.randn(T, N, *obs_space.shape), actions=actions, logprobs=torch.randn(T, N) - 3,
+                      values=torch.randn(T, N), rewards=torch.randn(T, N),
+                      terminated=torch.zeros(T, N, dtype=torch.bool), truncated=torch.zeros(T, N, dtype=torch.bool),
+                      final_values=torch.zeros(T, N), next_obs=torch.randn(N, *obs_space.shape),
+                      next_values=torch.zeros(N))
+    adv, ret, mask = advantages(traj, cfg1)
+    model = PPO("MlpPolicy", venv, device="cpu", verbose=0, **dict(sb3_kwargs(cfg1), n_epochs=1))
+    model.set_logger(configure(None, [""]))
+    model._setup_learn(T * N)
+    buf = model.rollout_buffer
+    buf.reset()
+    for t in range(T):
+        buf.add(traj.obs[t].numpy(), traj.actions[t].numpy(), traj.rewards[t].numpy(), np.zeros(N, bool),
+                traj.values[t], traj.logprobs[t])
+    buf.compute_returns_and_advantage(torch.zeros(N), np.zeros(N))
+    ours, theirs = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ppo_update(actor.policy, actor.optimizer, traj, adv, ret, mask, cfg1, 1.0, actor.gen)
+        ours.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        model.train()
+        theirs.append(time.perf_counter() - start)
+    return min(ours), min(theirs)
+
+
 def sim_limit(env_id: str, num_envs: int) -> float:
     from sim_limit import measure
 
@@ -125,6 +196,9 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=None, help="m2flow env.pipeline_stages (default: the preset's)")
     p.add_argument("--sb3-threads", type=int, default=1)
     p.add_argument("--out", default="runs/bench")
+    p.add_argument("--update-only", action="store_true", help="skip the full runs (update cost and throughput only)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved throughput rounds (0: none)")
+    p.add_argument("--iters", type=int, default=6, help="iterations per throughput round")
     args = p.parse_args()
 
     from m2flow.runtime import Cluster
@@ -153,12 +227,25 @@ def main() -> None:
               f"m2flow placement '{cfg.cluster.placement}', {cfg.env.pipeline_stages} stage(s); "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
         limit = sim_limit(env_id, cfg.env.num_envs)
+        upd_ours, upd_sb3 = update_cost(cfg)
+        print(f"   one PPO epoch ({cfg.rollout.steps * cfg.env.num_envs} samples, minibatches of "
+              f"{cfg.actor.minibatch_size}), best of 5, one thread: m2flow {upd_ours:.3f} s, SB3 {upd_sb3:.3f} s "
+              f"({upd_sb3 / upd_ours:.2f}x)", flush=True)
+        if args.rounds:
+            tp = throughput(cfg, cluster, args.iters, args.rounds)
+            print(f"   env steps/s during training, {args.iters} iterations, best of {args.rounds} interleaved rounds: "
+                  + ", ".join(f"{k} {v:,.0f} ({v / tp['SB3']:.2f}x)" for k, v in tp.items()), flush=True)
+        if args.update_only:
+            continue
         ours = run_m2flow(cfg, cluster, threshold)
         print(f"   m2flow done: {ours}", flush=True)
         theirs = run_sb3(cfg, threshold, stop, args.sb3_threads)
         print(f"   sb3 done: {theirs}", flush=True)
         lines.append((env_id, cfg, limit, ours, theirs, threshold))
 
+    if args.update_only:
+        cluster.shutdown()
+        return
     print("\n| env | runner | env steps | train s | env steps/s | vs SB3 | time to threshold | steps to threshold | "
           "final return |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
