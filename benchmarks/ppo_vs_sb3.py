@@ -113,18 +113,19 @@ def run_m2flow(cfg, cluster, threshold: float) -> dict:
             "final_return": rows[-1]["rollout/return_window"]}
 
 
-HYBRID = ["cluster.placement=env: 0; rollout: 1; actor: 0-1", "env.pipeline_stages=2"]
+HYBRID = ["cluster.placement=env: 0; rollout: 1; actor: 0-1:0", "env.pipeline_stages=2"]  # ppo_halfcheetah_hybrid
 
 
 def throughput(cfg, cluster, iters: int, rounds: int) -> dict[str, float]:
     """Env steps/s during training over `iters` iterations: m2flow as configured, m2flow hybrid (envs on device 0,
-    policy on 1, 2 stages, a 2-rank data-parallel actor) and SB3, alternating for `rounds` rounds, best round each:
+    policy on 1, 2 stages, the actor one process over both devices' cores) and SB3, alternating for `rounds` rounds, best round each:
     robust to load from other processes drifting over a long run. Worker start-up is not counted."""
     best = {"m2flow": 0.0, "m2flow hybrid": 0.0, "SB3": 0.0}
     for r in range(rounds):
         base = [f"run.steps={iters}", "run.stop_return=null", "run.trace=false", "eval.episodes=0"]
         for name, extra in (("m2flow", []), ("m2flow hybrid", HYBRID)):
-            c = C.load(C.EmbodiedConfig, C.to_dict(cfg), base + extra + [f"run.name={cfg.run.name}_tp{r}"])
+            tag = "_hybrid" if extra else ""
+            c = C.load(C.EmbodiedConfig, C.to_dict(cfg), base + extra + [f"run.name={cfg.run.name}{tag}_tp{r}"])
             out = run_m2flow(c, cluster, float("inf"))
             best[name] = max(best[name], out["steps"] / out["seconds"])
         out = run_sb3(C.load(C.EmbodiedConfig, C.to_dict(cfg), base), float("inf"), False, 1)
