@@ -5,7 +5,7 @@ A plan is chosen by config (or, later, by the planner from profiles); this modul
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
