@@ -335,6 +335,11 @@ class ActorConfig:
     mini_batches: int = opt(1, "optimizer steps per training step (the batch is split into this many)")
     epochs: int = opt(1, "passes over the batch per training step")
     micro_batch: int = opt(32, "samples per forward/backward; also the streaming granularity when pipelined")
+    backend: str = opt("torch", "torch: one rank | fsdp2: sharded over the actor's ranks (FSDP2, gloo/NCCL)")
+
+    def validate(self, where: str) -> None:
+        if self.backend not in ("torch", "fsdp2"):
+            raise ConfigError(f"{where}.backend must be torch | fsdp2, got '{self.backend}'")
 
 
 @dataclass

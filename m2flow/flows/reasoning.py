@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from m2flow.config import ReasoningConfig
+from m2flow.engines.hf import load_tokenizer
 from m2flow.flows.outputs import RunDir, progress
 from m2flow.runtime import Channel, Cluster, wait_all
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
@@ -21,7 +22,6 @@ from m2flow.workers.actor import ActorWorker
 from m2flow.workers.inference import InferenceWorker
 from m2flow.workers.reward import RewardWorker
 from m2flow.workers.rollout import RolloutWorker
-from m2flow.engines.hf import load_tokenizer
 from m2flow.workloads.reasoning.tasks import build_datasets
 
 COMPONENTS = ["rollout", "reward", "inference", "actor"]
@@ -72,9 +72,9 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
             prompts = train_set.next_batch(cfg.rollout.prompts_per_step)
             shards = [prompts[r :: rollout.world_size] for r in range(rollout.world_size)]
             results = wait_all([
-                rollout.call_per_rank("generate", [(s, samples, step) for s in shards]),
-                reward.score(samples, scored, step, rollout.world_size),
-                inference.logprobs(scored, ready, step, plan.micro_batch, reward.world_size),
+                rollout.call_per_rank("generate", [(s, samples, step, reward.world_size) for s in shards]),
+                reward.score(samples, scored, step, rollout.world_size, inference.world_size),
+                inference.logprobs(scored, ready, step, plan.micro_batch, reward.world_size, actor.world_size),
                 actor.train(ready, step, inference.world_size),
             ])
             t1 = time.perf_counter()
@@ -107,8 +107,9 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
 
 
 def sync_weights(actor, receivers, check: bool) -> None:
-    """Actor rank 0 publishes its weights once; every receiver rank loads them in place."""
-    weights = actor.on([0]).publish_weights().wait()[0]
+    """The actor publishes its weights once (rank 0, gathered from every rank if sharded); every receiver rank loads
+    them in place."""
+    weights = actor.publish_weights().wait()[0]
     digests = [d for h in wait_all([g.load_weights(weights) for g in receivers]) for d in h]
     if check and any(d != weights.digest for d in digests):
         raise RuntimeError(f"weight sync v{weights.version}: a receiver's weights differ from the actor's")
@@ -161,7 +162,7 @@ def sft_model(model_path: str, out: str, cfg: ReasoningConfig, progress: bool = 
 
 def save_checkpoint(run: RunDir, step: int, actor, train_set) -> None:
     def write(tmp: Path) -> None:
-        actor.on([0]).save_checkpoint(str(tmp)).wait()
+        actor.save_checkpoint(str(tmp)).wait()  # every rank writes its shards
         torch.save({"data": train_set.state_dict(), "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
                     "step": step}, tmp / "driver.pt")
 

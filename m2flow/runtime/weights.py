@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import ray
 import torch
 
+BUCKET_BYTES = 64 << 20  # a published state dict is split into object-store entries of about this size
+
 
 @dataclass
 class WeightsRef:
-    """A published state dict: `ref` points at {name: numpy array} in the object store."""
+    """A published state dict: each entry of `ref` points at one bucket {name: numpy array} in the object store."""
 
     version: int
-    ref: list  # [ObjectRef], wrapped so Ray passes the reference itself, not its value
+    ref: list  # [ObjectRef per bucket], wrapped in a list so Ray passes the references themselves, not their values
     digest: str
 
 
@@ -31,42 +34,70 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def _hash_into(h, name: str, t: torch.Tensor) -> None:
+    t = t.detach().cpu().contiguous()
+    h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+    h.update(_to_numpy(t).tobytes())
+
+
 def state_digest(state: dict[str, torch.Tensor]) -> str:
     """A hash of names, dtypes, shapes and raw bytes: equal digests mean bit-identical weights."""
     h = hashlib.sha1()
     for name in sorted(state):
-        t = state[name].detach().cpu().contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(_to_numpy(t).tobytes())
+        _hash_into(h, name, state[name])
     return h.hexdigest()
 
 
-def publish(state: dict[str, torch.Tensor], version: int) -> WeightsRef:
-    """Put a state dict into the object store once; receivers fetch it zero-copy on the same node."""
-    arrays = {k: _to_numpy(v) for k, v in state.items()}
-    dtypes = {k: str(v.dtype) for k, v in state.items()}
-    return WeightsRef(version, [ray.put((arrays, dtypes))], state_digest(state))
+def publish(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
+            bucket_bytes: int = BUCKET_BYTES) -> WeightsRef:
+    """Put a state dict into the object store in buckets of about `bucket_bytes`; receivers on the same node read
+    them zero-copy, others get them moved by Ray (one copy per node: a broadcast). `state` may be a dict or an
+    iterator of (name, tensor) in sorted name order, e.g. tensors gathered one at a time from a sharded model."""
+    items = sorted(state.items()) if isinstance(state, dict) else state
+    h, refs, arrays, dtypes, size, last = hashlib.sha1(), [], {}, {}, 0, None
+    for name, tensor in items:
+        if last is not None and name <= last:
+            raise ValueError(f"publish: tensors must come in sorted name order; {name!r} came after {last!r}")
+        last = name
+        _hash_into(h, name, tensor)
+        arrays[name], dtypes[name] = _to_numpy(tensor), str(tensor.dtype)
+        size += arrays[name].nbytes
+        if size >= bucket_bytes:
+            refs.append(ray.put((arrays, dtypes)))
+            arrays, dtypes, size = {}, {}, 0
+    if arrays or not refs:
+        refs.append(ray.put((arrays, dtypes)))
+    return WeightsRef(version, refs, h.hexdigest())
+
+
+def _buckets(weights: WeightsRef) -> Iterator[dict[str, torch.Tensor]]:
+    """Each bucket as {name: tensor} (read-only views of shared memory where possible), fetched one at a time."""
+    for ref in weights.ref:
+        arrays, dtypes = ray.get(ref)
+        out = {}
+        for k, a in arrays.items():
+            with warnings.catch_warnings():  # read-only shared memory: receivers copy out of it, never write
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.from_numpy(a)
+            out[k] = t.view(torch.bfloat16) if dtypes[k] == "torch.bfloat16" else t
+        yield out
 
 
 def fetch(weights: WeightsRef) -> dict[str, torch.Tensor]:
-    """The published state dict as torch tensors (read-only views of shared memory where possible)."""
-    arrays, dtypes = ray.get(weights.ref[0])
-    out = {}
-    for k, a in arrays.items():
-        with warnings.catch_warnings():  # read-only shared memory: receivers copy out of it, never write
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.from_numpy(a)
-        out[k] = t.view(torch.bfloat16) if dtypes[k] == "torch.bfloat16" else t
-    return out
+    """The published state dict as torch tensors."""
+    return {k: v for bucket in _buckets(weights) for k, v in bucket.items()}
 
 
 @torch.no_grad()
 def load_into(module: torch.nn.Module, weights: WeightsRef) -> None:
-    """Copy published weights into `module`'s existing parameters and buffers in place."""
-    state = fetch(weights)
+    """Copy published weights into `module`'s existing parameters and buffers in place, one bucket at a time."""
     own = dict(module.state_dict())
-    missing = sorted(set(own) - set(state))
+    loaded: set[str] = set()
+    for bucket in _buckets(weights):
+        for name, tensor in bucket.items():
+            if name in own:
+                own[name].copy_(tensor)
+                loaded.add(name)
+    missing = sorted(set(own) - loaded)
     if missing:
         raise ValueError(f"weights v{weights.version} lack {len(missing)} tensors, e.g. {missing[:3]}")
-    for name, tensor in own.items():
-        tensor.copy_(state[name])

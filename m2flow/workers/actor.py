@@ -2,7 +2,8 @@
 m2flow.algorithms), publishes its weights, and saves/loads checkpoints. It does not generate.
 
 With one mini-batch and one epoch the update streams: each micro-batch's gradient is accumulated
-the moment it arrives, so training overlaps rollout when the plan pipelines them.
+the moment it arrives, so training overlaps rollout when the plan pipelines them. With `actor.backend: fsdp2`
+the model is sharded over the actor's ranks (FSDP2) and each rank trains on its share of every micro-batch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,15 @@ from pathlib import Path
 import torch
 
 from m2flow.algorithms import get_kl_estimator, masked_mean, policy_loss
+from m2flow.engines.fsdp import (
+    all_reduce,
+    export_hf,
+    full_state_items,
+    full_tensor,
+    load_sharded,
+    save_sharded,
+    shard_model,
+)
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.engines.train import token_logprobs_and_entropy
 from m2flow.runtime import Worker
@@ -36,59 +46,80 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 class ActorWorker(Worker):
     def __init__(self, cfg, model_path: str):
         self.cfg = cfg
+        a = cfg.actor
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=getattr(torch, cfg.model.dtype)).train()
-        a = cfg.actor
+        self.sharded = a.backend == "fsdp2"
+        if self.world_size > 1 and not self.sharded:
+            raise ValueError(f"actor.backend=torch trains on one rank, but the placement gives the actor "
+                             f"{self.world_size} ranks; set actor.backend=fsdp2 to shard it over them")
+        if self.sharded:  # every rank holds 1/world of the parameters, gradients and optimizer state
+            self.init_process_group()
+            shard_model(self.model, "cuda" if self._device_kind == "gpu" else "cpu")
+        self.key = self.rank if self.world_size > 1 else None  # data-parallel ranks read their own share
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
         total = cfg.run.steps * a.mini_batches * a.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(a.lr_schedule, a.warmup_steps, total))
         self.kl = get_kl_estimator(cfg.algorithm.kl_estimator) if cfg.algorithm.kl_coef > 0 else None
         self.version = 0
-        self.register_offloadable("model", self.model)
-        self.register_offloadable("optimizer", self.optimizer)
+        if not self.sharded:  # context switching moves plain tensors; sharded (DTensor) state stays put
+            self.register_offloadable("model", self.model)
+            self.register_offloadable("optimizer", self.optimizer)
 
     # -- training ------------------------------------------------------------------------------
     def train(self, inp, step: int, producers: int = 1) -> dict:
-        """One training step on every micro-batch from `inp` (until END)."""
+        """One training step on every micro-batch from `inp` (until END). The gradient is the sample-weighted
+        mean over the whole global batch, on one rank or summed over data-parallel ranks."""
         a = self.cfg.actor
         stats: list[tuple[int, dict]] = []
         if a.mini_batches == 1 and a.epochs == 1:
             self.optimizer.zero_grad(set_to_none=True)
             seen = 0
-            for batch in drain(inp, producers):
+            for share in drain(inp, producers, key=self.key):
                 with self.device_phase("train", step):
-                    for micro in batch.split(a.micro_batch):
-                        loss, m = self._loss(micro)
-                        (loss * len(micro)).backward()
-                        seen += len(micro)
-                        stats.append((len(micro), m))
+                    seen += self._backward(share.split(a.micro_batch), stats, real=share.meta.get("weight", 1) != 0)
             with self.device_phase("optimizer", step):
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad /= max(seen, 1)
-                grad_norm = self._step()
+                grad_norm, samples = self._step(seen)
             grad_norms = [grad_norm]
         else:
-            full = Batch.concat(list(drain(inp, producers)), pad_value={"input_ids": self.tokenizer.pad_token_id})
+            shares = list(drain(inp, producers, key=self.key))
+            real = [s for s in shares if s.meta.get("weight", 1) != 0]
+            full = Batch.concat(real or shares[:1], pad_value={"input_ids": self.tokenizer.pad_token_id})
             gen = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + step)
-            grad_norms = []
+            grad_norms, samples = [], 0
             with self.device_phase("train", step):
                 for _ in range(a.epochs):
                     order = torch.randperm(len(full), generator=gen)
-                    size = math.ceil(len(full) / a.mini_batches)
-                    for mb in full.select(order).split(size):
+                    for rows in torch.tensor_split(order, a.mini_batches):
                         self.optimizer.zero_grad(set_to_none=True)
-                        for micro in mb.split(a.micro_batch):
-                            loss, m = self._loss(micro)
-                            (loss * len(micro) / len(mb)).backward()
-                            stats.append((len(micro), m))
-                        grad_norms.append(self._step())
+                        n = self._backward(full.select(rows).split(a.micro_batch) if len(rows) else [], stats,
+                                           real=bool(real), filler=full)
+                        grad_norm, samples = self._step(n)
+                        grad_norms.append(grad_norm)
         self.version += 1
         out = weighted_mean(stats)
         out.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": self.scheduler.get_last_lr()[0],
-                    "actor/samples": sum(n for n, _ in stats)})
+                    "actor/samples": samples})
         return out
+
+    def _backward(self, micros: list[Batch], stats: list, real: bool = True, filler: Batch | None = None) -> int:
+        """Accumulate sum-of-sample-losses gradients over `micros`; returns the samples learned from. Sharded ranks
+        first agree on the number of micro-batches (every forward and backward is a collective) and pad with
+        zero-weight passes; `real=False` marks a share that carries no samples."""
+        count = len(micros)
+        if self.sharded:
+            count = int(all_reduce(count, "max"))
+        seen = 0
+        for i in range(count):
+            micro = micros[i] if i < len(micros) else (micros or [filler])[0].select(slice(0, 1))
+            weight = len(micro) if real and i < len(micros) else 0
+            loss, m = self._loss(micro)
+            (loss * weight).backward()
+            if weight:
+                seen += weight
+                stats.append((weight, m))
+        return seen
 
     def _loss(self, micro: Batch) -> tuple[torch.Tensor, dict]:
         alg = self.cfg.algorithm
@@ -109,34 +140,46 @@ class ActorWorker(Worker):
             loss = loss - alg.entropy_coef * ent
         return loss, metrics
 
-    def _step(self) -> float:
+    def _step(self, seen: int) -> tuple[float, int]:
+        """Turn the accumulated sums into the global sample mean, clip, step. Returns (grad norm, global samples).
+        FSDP2 already averaged the gradients over the ranks, hence the world-size factor."""
+        total = int(all_reduce(seen)) if self.sharded else seen
+        scale = (self.world_size if self.sharded else 1) / max(total, 1)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.actor.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        return float(norm)
+        return float(full_tensor(norm)), total
 
     # -- weights and checkpoints ---------------------------------------------------------------
     def publish_weights(self):
-        return publish(self.model.state_dict(), self.version)
+        """Rank 0 publishes the full weights (a sharded actor gathers them one tensor at a time, every rank taking
+        part, and publishes them in buckets); other ranks return None."""
+        items = full_state_items(self.model) if self.sharded else self.model.state_dict()
+        if self.rank == 0:
+            return publish(items, self.version)
+        for _ in items:
+            pass
+        return None
 
     def save_checkpoint(self, directory: str) -> None:
-        """An HF model directory (safetensors) + optimizer/scheduler/RNG state under `directory`."""
+        """Under `directory`: `actor_dcp/` (model + optimizer as a distributed checkpoint, one shard file per rank,
+        loadable on any rank count), `model/` (a single HF model directory) and `actor_state.pt` (scheduler,
+        version, RNG). Every rank must call it."""
         d = Path(directory)
-        self.model.save_pretrained(d / "model", safe_serialization=True)
-        self.tokenizer.save_pretrained(d / "model")
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "version": self.version, "torch_rng": torch.get_rng_state()}, d / "actor_state.pt")
+        save_sharded(self.model, self.optimizer, d / "actor_dcp")
+        export_hf(self.model, d / "model", self.tokenizer, self.rank)
+        if self.rank == 0:
+            torch.save({"scheduler": self.scheduler.state_dict(), "version": self.version,
+                        "torch_rng": torch.get_rng_state(), "world_size": self.world_size}, d / "actor_state.pt")
 
     def load_checkpoint(self, directory: str) -> int:
-        from safetensors.torch import load_file
-
+        """Resume from `save_checkpoint`'s output, whatever rank count wrote it."""
         d = Path(directory)
-        state = load_file(d / "model" / "model.safetensors")
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if unexpected or [m for m in missing if "lm_head" not in m]:
-            raise ValueError(f"checkpoint {d} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        load_sharded(self.model, self.optimizer, d / "actor_dcp")
         s = torch.load(d / "actor_state.pt", weights_only=False)
-        self.optimizer.load_state_dict(s["optimizer"])
         self.scheduler.load_state_dict(s["scheduler"])
         self.version = s["version"]
         torch.set_rng_state(s["torch_rng"])

@@ -1,21 +1,56 @@
-"""Small pieces every reasoning worker shares: the end-of-stream marker and channel draining.
+"""Small pieces every reasoning worker shares: the end-of-stream marker, channel draining and routing.
 
-Channels carry items until a producer rank puts END; a consumer stops after one END per producer rank.
+Channels carry items until a producer rank puts END; a consumer stops after one END per producer rank. Several
+consumer ranks either share one queue (work sharing: each producer puts one END per consumer) or, for a data-parallel
+group that must see equal work per rank (a sharded actor), get their own keyed share of every batch (`route`).
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
+
+from m2flow.types import Batch
 
 END = "__m2flow_end_of_step__"
 
 
-def drain(channel, producers: int = 1, timeout: float | None = None) -> Iterator:
-    """Yield items from `channel` until `producers` END markers have arrived."""
+def drain(channel, producers: int = 1, timeout: float | None = None, key=None) -> Iterator:
+    """Yield items from `channel` (sub-queue `key`) until `producers` END markers have arrived."""
     ends = 0
     while ends < producers:
-        item = channel.get(timeout=timeout)
+        item = channel.get(key=key, timeout=timeout)
         if isinstance(item, str) and item == END:
             ends += 1
         else:
             yield item
+
+
+def finish(channel, consumers: int = 1, keyed: bool = False) -> None:
+    """End this producer's stream: one END per consumer rank (into each rank's sub-queue when `keyed`)."""
+    for r in range(consumers):
+        channel.put(END, key=r if keyed else None)
+
+
+def split_for_ranks(batch: Batch, ranks: int) -> list[Batch]:
+    """`ranks` contiguous shares of `batch`, sizes differing by at most one. A rank left without samples (a batch
+    smaller than the group) gets one row marked `meta["weight"] = 0`: it runs the same collectives, learns nothing."""
+    if len(batch) == 0:
+        raise ValueError("split_for_ranks: empty batch")
+    base, extra = divmod(len(batch), ranks)
+    shares, start = [], 0
+    for r in range(ranks):
+        size = base + (r < extra)
+        if size:
+            shares.append(batch.select(slice(start, start + size)))
+        else:
+            filler = batch.select(slice(0, 1))
+            filler.meta["weight"] = 0
+            shares.append(filler)
+        start += size
+    return shares
+
+
+def route(channel, batch: Batch, ranks: int) -> None:
+    """Put one share of `batch` into each consumer rank's sub-queue (key = rank): every rank gets one item per call."""
+    for r, share in enumerate(split_for_ranks(batch, ranks)):
+        channel.put(share, key=r, weight=len(share))

@@ -13,7 +13,7 @@ from m2flow.engines.train import collate, token_logprobs
 from m2flow.runtime import Worker
 from m2flow.runtime.weights import WeightsRef, load_into, state_digest
 from m2flow.types import Batch
-from m2flow.workers.common import END, drain
+from m2flow.workers.common import drain, finish, route
 
 
 def groups_to_batch(groups: list[dict], pad_id: int) -> Batch:
@@ -48,28 +48,32 @@ class InferenceWorker(Worker):
         if self.ref is not None:
             self.register_offloadable("ref", self.ref)
 
-    def logprobs(self, inp, out, step: int, micro_batch: int, producers: int = 1) -> dict:
+    def logprobs(self, inp, out, step: int, micro_batch: int, producers: int = 1, consumers: int = 1) -> dict:
         """Collect groups from `inp` into micro-batches of >= `micro_batch` samples, add `old_logprobs`
-        (and `ref_logprobs`) to each, put them into `out`; END after the last."""
+        (and `ref_logprobs`) to each, put them into `out`; END after the last. With several consumer ranks (a
+        data-parallel actor) each micro-batch is split into one share per rank, into the rank's sub-queue."""
         pending: list[dict] = []
         sent = 0
         for group in drain(inp, producers):
             pending.append(group)
             if sum(len(g["responses"]) for g in pending) >= micro_batch:
-                sent += self._emit(pending, out, step)
+                sent += self._emit(pending, out, step, consumers)
                 pending = []
         if pending:
-            sent += self._emit(pending, out, step)
-        out.put(END)
+            sent += self._emit(pending, out, step, consumers)
+        finish(out, consumers, keyed=consumers > 1)
         return {"inference/samples": sent}
 
-    def _emit(self, groups: list[dict], out, step: int) -> int:
+    def _emit(self, groups: list[dict], out, step: int, consumers: int) -> int:
         batch = groups_to_batch(groups, self.pad_id)
         with self.device_phase("logprobs", step), torch.no_grad():
             batch["old_logprobs"] = token_logprobs(self.model, batch.tensors, self.cfg.rollout.temperature)
             if self.ref is not None:
                 batch["ref_logprobs"] = token_logprobs(self.ref, batch.tensors, self.cfg.rollout.temperature)
-        out.put(batch, weight=len(batch))
+        if consumers > 1:
+            route(out, batch, consumers)
+        else:
+            out.put(batch, weight=len(batch))
         return len(batch)
 
     def load_weights(self, weights: WeightsRef) -> str:

@@ -8,7 +8,7 @@ import torch
 
 from m2flow.algorithms import get_advantage_fn
 from m2flow.runtime import Worker
-from m2flow.workers.common import END, drain
+from m2flow.workers.common import drain, finish
 from m2flow.workloads.reasoning.rewards import RewardRunner
 from m2flow.workloads.reasoning.tasks import reward_name, reward_timeout
 
@@ -23,8 +23,9 @@ class RewardWorker(Worker):
         self.advantage = cfg.algorithm.advantage
         self.advantage_fn = get_advantage_fn(self.advantage) if self.advantage in GROUP_ESTIMATORS else None
 
-    def score(self, inp, out, step: int, producers: int = 1) -> dict:
-        """Score groups from `inp` until END; forward kept groups (with `rewards`, `advantages`) to `out`."""
+    def score(self, inp, out, step: int, producers: int = 1, consumers: int = 1) -> dict:
+        """Score groups from `inp` until END; forward kept groups (with `rewards`, `advantages`) to `out`, then one
+        END per consumer rank (the consumers share the queue)."""
         rewards, lengths, kept, dropped, timeouts, errors = [], [], 0, 0, 0, 0
         for group in drain(inp, producers):
             with self.device_phase("reward", step):
@@ -41,7 +42,7 @@ class RewardWorker(Worker):
                 group["advantages"] = self.advantage_fn(torch.tensor(scores, dtype=torch.float32), None, len(scores)).tolist()
             out.put(group, weight=len(scores))
             kept += 1
-        out.put(END)
+        finish(out, consumers)
         n = max(len(rewards), 1)
         return {
             "reward/mean": sum(rewards) / n,

@@ -12,7 +12,7 @@ from m2flow.engines.base import SamplingParams
 from m2flow.engines.hf import HFEngine, load_model, load_tokenizer
 from m2flow.runtime import Worker
 from m2flow.runtime.weights import WeightsRef, load_into, state_digest
-from m2flow.workers.common import END
+from m2flow.workers.common import finish
 
 
 def build_engine(kind: str, model, tokenizer, max_slots: int, max_len: int):
@@ -34,9 +34,9 @@ class RolloutWorker(Worker):
         self.version = 0
         self.register_offloadable("model", self.model)
 
-    def generate(self, prompts: list[dict], out, step: int) -> dict:
+    def generate(self, prompts: list[dict], out, step: int, consumers: int = 1) -> dict:
         """Sample `rollout.n` responses for each prompt {index, ids, answer}; put one group per prompt
-        into `out` as soon as it finishes, then END. Returns generation metrics."""
+        into `out` as soon as it finishes, then one END per consumer rank. Returns generation metrics."""
         r = self.cfg.rollout
         params = SamplingParams(
             n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -59,7 +59,7 @@ class RolloutWorker(Worker):
             start = time.perf_counter()
             self.engine.generate([p["prompt_ids"] for p in prompts], params, on_group_done=emit)
             seconds = time.perf_counter() - start
-        out.put(END)
+        finish(out, consumers)
         return {"rollout/tokens": tokens, "rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
 
     def load_weights(self, weights: WeightsRef) -> str:
