@@ -3,11 +3,9 @@
 It needs its own Ray instance, so it runs in a subprocess (apart from the session `cluster` fixture).
 """
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
+
+from own_ray import run_script
 
 SCRIPT = textwrap.dedent('''
     import ray
@@ -47,14 +45,5 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_ranks_are_placed_on_both_nodes(tmp_path):
-    script = tmp_path / "two_nodes.py"
-    script.write_text(SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, cwd=str(tmp_path))
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"two-node run timed out:\n{out[-4000:]}")
-    assert proc.returncode == 0 and "MULTINODE OK" in out, out[-4000:]
+    code, out = run_script(SCRIPT, tmp_path, timeout=240)
+    assert code == 0 and "MULTINODE OK" in out, out[-4000:]
