@@ -95,8 +95,9 @@ class ActorWorker(Worker):
                         self.optimizer.zero_grad(set_to_none=True)
                         n = self._backward(full.select(rows).split(a.micro_batch) if len(rows) else [], stats,
                                            real=bool(real), filler=full)
-                        grad_norm, samples = self._step(n)
+                        grad_norm, learned = self._step(n)
                         grad_norms.append(grad_norm)
+                        samples += learned
         self.version += 1
         out = weighted_mean(stats)
         out.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": self.scheduler.get_last_lr()[0],

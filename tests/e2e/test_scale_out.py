@@ -156,3 +156,23 @@ def test_flow_with_data_parallel_groups_and_sharded_actor_resumes_on_one_rank(cl
     out = train(resumed, cluster)
     rows = [json.loads(x) for x in (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["actor/samples"] == 32
+
+
+def test_two_epochs_on_two_ranks_equal_one_process(cluster, actors):
+    """The whole-batch path (epochs > 1): with one mini-batch each epoch sees the whole global batch, so 2 ranks (each
+    with its share, 7 and 6 samples) and one process take the same two optimizer steps."""
+    tmp = actors["tmp"]
+    overrides = ("actor.epochs=2", "actor.micro_batch=4")
+    two = ActorWorker.launch(cluster, parse_placement("actor: 0-1", 2)["actor"],
+                             make_cfg(tmp, "actor.backend=fsdp2", *overrides), str(tmp / "model"))
+    one = ActorWorker.launch(cluster, parse_placement("actor: 0", 2)["actor"], make_cfg(tmp, *overrides),
+                             str(tmp / "model"))
+    try:
+        batch = make_batch(actors["model"], 13, seed=2)
+        m2, m1 = train_both({"two": two, "one": one}, [batch], step=0)
+        assert m1[0]["actor/samples"] == 26 and [m["actor/samples"] for m in m2] == [26, 26]  # 2 epochs x 13
+        a2, a1 = weights_of(two)[0], weights_of(one)[0]
+        assert max_diff(a1, a2) < 2 * TOL, max_diff(a1, a2)
+    finally:
+        two.kill()
+        one.kill()
