@@ -66,7 +66,8 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
 
     `batches`: envs per rollout (default `default_batches`); `devices`: device counts (default 1 and 2 where the
     cluster has 2): d = `env,rollout,actor: 0-(d-1)`, one worker of each per device (env worker r in lockstep with
-    policy worker r; the actor ranks data-parallel). Each row is the median of `repeats` rollouts (or updates) after a warm-up."""
+    policy worker r; the actor ranks data-parallel). Each row is the median of `repeats` rollouts (or updates) after
+    a warm-up rollout."""
     from m2flow.flows.embodied import sync_weights
 
     run_dir = Path(run_dir or cfg.run.path)

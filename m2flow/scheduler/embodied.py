@@ -27,7 +27,8 @@ def embodied_plans(profile: Profile, num_devices: int, num_envs: int | None = No
     the actor ranks are data-parallel)."""
     if tuple(profile.stages) != COMPONENTS or tuple(profile.loop) != COMPONENTS[:2]:
         raise ValueError(f"{profile.source}: an embodied profile with stages {list(COMPONENTS)} and loop "
-                         f"{list(COMPONENTS[:2])} is needed, got stages {list(profile.stages)}, loop {list(profile.loop)}")
+                         f"{list(COMPONENTS[:2])} is needed, got stages {list(profile.stages)}, "
+                         f"loop {list(profile.loop)}")
     num_envs = num_envs or profile.batch
     result = search(profile, num_devices, top=1 << 30, components=list(COMPONENTS), batch=num_envs)
     keep = [c for c in result.candidates if runnable(c, num_envs)]

@@ -51,7 +51,8 @@ def assert_auto_near_best(plans: list[dict], measured: list[float], measure, gra
         tolerance = min(max(TOLERANCE, spread), 0.5)
         print(f"again: auto {again[0]:.3f} s, best {again[1]:.3f} s; run-to-run spread {spread:.0%}, "
               f"tolerance {tolerance:.0%}")
-    tied = abs(plans[best]["predicted_step_seconds"] - chosen["predicted_step_seconds"]) <= 0.05 * chosen["predicted_step_seconds"]
+    predicted = chosen["predicted_step_seconds"]
+    tied = abs(plans[best]["predicted_step_seconds"] - predicted) <= 0.05 * predicted
     if tied:
         # The cost model predicts these two plans equal (same bottleneck stage), so which one auto lists first is a
         # tie-break; on this shared machine tied plans differ by up to ~25% from run to run. The check that still
