@@ -41,11 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--layers", type=int, default=2)
     i.add_argument("--seed", type=int, default=0)
 
-    pr = sub.add_parser("profile", help="time each component of the reasoning flow alone at several batch sizes")
+    pr = sub.add_parser("profile", help="time each component of a flow (reasoning or embodied) alone at several batch sizes")
     pr.add_argument("config", help="YAML file or preset name in configs/")
     pr.add_argument("overrides", nargs="*")
     pr.add_argument("--out", default=None, help="profile JSON path (default: in the run directory)")
-    pr.add_argument("--batches", default=None, help="comma-separated samples per call, e.g. 8,16,32")
+    pr.add_argument("--batches", default=None, help="comma-separated samples per call (embodied: envs), e.g. 8,16,32")
     pr.add_argument("--repeats", type=int, default=3)
 
     pl = sub.add_parser("plan", help="search execution plans for N devices from a profile table (no cluster needed)")

@@ -392,7 +392,8 @@ class EmbodiedRunConfig(RunConfig):
 @dataclass
 class EmbodiedClusterConfig(ClusterConfig):
     placement: Any = opt("env,rollout,actor: 0", "component -> devices: 'env,rollout,actor: 0' (collocated, lockstep), "
-                         "'env: 0; rollout: 1; actor: 0-1:0' (hybrid), 'env: 0-1; rollout,actor: 0' (two env workers)")
+                         "'env: 0; rollout: 1; actor: 0-1:0' (hybrid), 'env: 0-1; rollout,actor: 0' (two env workers), "
+                         "'auto' (profile, then the fastest predicted placement and env.pipeline_stages)")
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""Auto mode (`cluster.placement: auto`) for the reasoning flow: profile the flow (or reuse `run_dir/profile.json`),
-search the plans this flow can run on the cluster, write the candidates, and return the fastest as an ExecutionPlan;
-after training, `write_plan_report` puts the predicted beside the measured step time. It does not train.
+"""Auto mode (`cluster.placement: auto`) for the reasoning and embodied flows: profile the flow (or reuse
+`run_dir/profile.json`), search the plans this flow can run on the cluster, write the candidates, and return the
+fastest as an ExecutionPlan; after training, `write_plan_report` puts the predicted beside the measured step time.
+It does not train (`measure_plan` runs a flow for the benchmark and the tests).
 """
 
 from __future__ import annotations
@@ -73,50 +74,84 @@ def auto_plan(cfg, cluster: Cluster, run_dir: str | Path) -> AutoPlan:
     from m2flow.flows.profile import profile_reasoning
 
     run_dir = Path(run_dir)
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.n
+    path, profile = _profile(run_dir, "reasoning", COMPONENTS,
+                             lambda path: profile_reasoning(cfg, cluster, out_path=path, run_dir=run_dir))
+    result = flow_plans(dataclasses.replace(profile, batch=batch), cluster.num_devices, cfg.rollout.n, top=1 << 30)
+    _write_search(run_dir, path, result, f"{batch} samples per step", f"the reasoning flow can run (offload off, "
+                  f"micro-batches of whole groups of {cfg.rollout.n}, one process per component)")
+    return plan_of(result.best, result)
+
+
+def auto_plan_embodied(cfg, cluster: Cluster, run_dir: str | Path) -> tuple[AutoPlan, int]:
+    """Auto mode for the embodied flow: profile (or reuse `run_dir/profile.json`), search every placement of env,
+    rollout and actor x env pipeline stages the flow can run on `cluster.num_devices`, write `plan_candidates.txt`
+    and `plan_search.json`, and return the fastest plan and its env pipeline stages."""
+    from m2flow.flows.profile_embodied import profile_embodied
+    from m2flow.scheduler.embodied import COMPONENTS as EMBODIED
+    from m2flow.scheduler.embodied import embodied_plans
+
+    run_dir = Path(run_dir)
+    num_envs = cfg.env.num_envs
+    path, profile = _profile(run_dir, "embodied", list(EMBODIED),
+                             lambda path: profile_embodied(cfg, cluster, out_path=path, run_dir=run_dir))
+    result = embodied_plans(profile, cluster.num_devices, num_envs)
+    _write_search(run_dir, path, result, f"{num_envs} envs x {cfg.rollout.steps} steps per iteration",
+                  "the embodied flow can run (one worker of each component per device, equal env stages)")
+    best = result.best
+    base = make_plan(best.spec, cluster.num_devices, list(EMBODIED), num_envs, best.micro_batch)
+    plan = AutoPlan(base.placement, base.micro_batch, base.channel_maxsize, base.offload, best.seconds,
+                    {label: round(s, 6) for label, s in best.prediction.parts})
+    return plan, best.env_stages
+
+
+def _profile(run_dir: Path, flow: str, components: list[str], make) -> tuple[Path, Profile]:
+    """`run_dir/profile.json` if it exists (checked to be this flow's), else `make(path)`, which profiles."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "profile.json"
-    batch = cfg.rollout.prompts_per_step * cfg.rollout.n
-    profile = Profile.load(path) if path.exists() else profile_reasoning(cfg, cluster, out_path=path, run_dir=run_dir)
-    if profile.flow != "reasoning" or list(profile.stages) != COMPONENTS:
-        raise ValueError(f"{path}: a profile of the reasoning flow {COMPONENTS} is needed, got {profile.flow} "
-                         f"{list(profile.stages)}")
-    result = flow_plans(dataclasses.replace(profile, batch=batch), cluster.num_devices, cfg.rollout.n, top=1 << 30)
-    best = result.best
+    profile = Profile.load(path) if path.exists() else make(path)
+    if profile.flow != flow or list(profile.stages) != components:
+        raise ValueError(f"{path}: a profile of the {flow} flow {components} is needed, got {profile.flow} "
+                         f"{list(profile.stages)} (delete it to profile again)")
+    return path, profile
+
+
+def _write_search(run_dir: Path, path: Path, result: SearchResult, work: str, runnable: str) -> None:
+    """plan_candidates.txt (the top of the table and the choice) and plan_search.json (every candidate)."""
+    best, p = result.best, result.profile
     shown = dataclasses.replace(result, candidates=result.candidates[:TABLE_ROWS])
     (run_dir / "plan_candidates.txt").write_text(
-        f"profile {path}: {profile.machine.devices} x {profile.machine.kind}; planning {cluster.num_devices} "
-        f"device(s), {batch} samples per step, {result.evaluated} plans predicted in {result.seconds:.2f} s, "
-        f"{len(result.candidates)} the reasoning flow can run (offload off, micro-batches of whole groups of "
-        f"{cfg.rollout.n}, one process per component)\n\n{shown.table()}\n\nchosen: {best.describe()}\n")
+        f"profile {path}: {p.machine.devices} x {p.machine.kind}; planning {result.num_devices} device(s), {work}, "
+        f"{result.evaluated} plans predicted in {result.seconds:.2f} s, {len(result.candidates)} {runnable}"
+        f"\n\n{shown.table()}\n\nchosen: {best.describe()}\n")
     (run_dir / "plan_search.json").write_text(json.dumps({
-        "profile": str(path), "num_devices": cluster.num_devices, "batch": batch,
+        "profile": str(path), "num_devices": result.num_devices, "batch": result.batch,
         "chosen": _row(best),
         "candidates": [_row(c) for c in result.candidates],
     }, indent=1) + "\n")
-    return plan_of(best, result)
 
 
 def _row(c: Candidate) -> dict:
-    return {"placement_spec": c.spec, "mode": c.mode, "micro_batch": c.micro_batch,
+    return {"placement_spec": c.spec, "mode": c.mode, "micro_batch": c.micro_batch, "pipeline_stages": c.env_stages,
             "predicted_step_seconds": round(c.seconds, 6), "bottleneck": c.prediction.bottleneck}
 
 
-def measured_step_seconds(metrics: list[dict]) -> float:
-    """Median `time/step` of a run, leaving out the first step (it warms up: allocations, connections) when
-    there are others."""
-    times = [r["time/step"] for r in metrics if "time/step" in r]
+def measured_step_seconds(metrics: list[dict], key: str = "time/step") -> float:
+    """Median `key` (the step time: `time/step`, embodied `time/iteration`) of a run, leaving out the first step
+    (it warms up: allocations, connections) when there are others."""
+    times = [r[key] for r in metrics if key in r]
     if not times:
-        raise ValueError("no time/step in the run's metrics")
+        raise ValueError(f"no {key} in the run's metrics")
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
-def write_plan_report(run_dir: str | Path) -> dict:
+def write_plan_report(run_dir: str | Path, key: str = "time/step") -> dict:
     """After training in auto mode: `run_dir/plan_report.json` with the chosen plan's predicted and measured
-    (median) step time and the relative error. The prediction comes from `plan_search.json`."""
+    (median `key`) step time and the relative error. The prediction comes from `plan_search.json`."""
     run_dir = Path(run_dir)
     chosen = json.loads((run_dir / "plan_search.json").read_text())["chosen"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    measured = measured_step_seconds(metrics)
+    measured = measured_step_seconds(metrics, key)
     predicted = chosen["predicted_step_seconds"]
     report = {**chosen, "measured_step_seconds": round(measured, 6), "steps": len(metrics),
               "steps_measured": max(len(metrics) - 1, 1), "error": round((predicted - measured) / measured, 4)}
@@ -138,3 +173,20 @@ def measure_plan(cfg, cluster: Cluster, spec: str, micro_batch: int, run_dir: st
     train(c, cluster)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return measured_step_seconds(rows)
+
+
+def measure_embodied_plan(cfg, cluster: Cluster, spec: str, stages: int, run_dir: str | Path, steps: int = 3) -> float:
+    """Train `steps` iterations of the embodied flow with placement `spec` and `stages` env pipeline stages; returns
+    the measured median iteration time (first left out)."""
+    from m2flow.flows.embodied import train
+
+    run_dir = Path(run_dir)
+    c = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir.parent), name=run_dir.name,
+                                                         steps=steps, trace=False, progress=False, save_every=0,
+                                                         eval_every=0, stop_return=None),
+                            cluster=dataclasses.replace(cfg.cluster, placement=spec),
+                            env=dataclasses.replace(cfg.env, pipeline_stages=stages),
+                            eval=dataclasses.replace(cfg.eval, episodes=0))
+    train(c, cluster)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return measured_step_seconds(rows, "time/iteration")

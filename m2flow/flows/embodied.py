@@ -8,6 +8,7 @@ deterministically.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import deque
@@ -42,9 +43,16 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
     """Run up to `cfg.run.steps` iterations (rollout, update, weight sync); returns the last metrics and the run dir."""
     run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
     cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices)
-    stages = cfg.env.pipeline_stages
-    plan = make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, cfg.env.num_envs,
-                     -(-cfg.env.num_envs // stages))
+    auto = cfg.cluster.placement == "auto"
+    if auto:  # profile, search placements x env pipeline stages, pick the fastest predicted (docs/planner.md)
+        from m2flow.flows.auto import auto_plan_embodied
+
+        plan, stages = auto_plan_embodied(cfg, cluster, run.path)
+        cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, pipeline_stages=stages))
+    else:
+        stages = cfg.env.pipeline_stages
+        plan = make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, cfg.env.num_envs,
+                         -(-cfg.env.num_envs // stages))
     (run.path / "plan.yaml").write_text(yaml.safe_dump({**plan.to_dict(), "pipeline_stages": stages}, sort_keys=False))
 
     env = EnvWorker.launch(cluster, plan["env"], cfg, run_dir=str(run.path))
@@ -112,6 +120,10 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
         for g in groups:
             g.kill()
         trajectories.destroy()
+    if auto:
+        from m2flow.flows.auto import write_plan_report
+
+        write_plan_report(run.path, "time/iteration")
     result = {"metrics": last, "run_dir": str(run.path), "plan": plan.to_dict(), "iterations": step + 1 - start,
               "checkpoint": str(saved) if saved else None}
     if cfg.eval.episodes and saved:

@@ -318,14 +318,7 @@ def _transfer(consumer, ch: Channel, items: dict) -> dict:
 def _table(cfg, cluster: Cluster, rows: dict, info: dict, batch: int) -> Profile:
     kind, memory = info["machine"]
     machine = Machine(kind, cluster.num_devices, int(memory))
-    measurements = []
-    for name in COMPONENTS:
-        for d in sorted({d for c, _, d in rows if c == name}):
-            cells = sorted((n, rs) for (c, n, dd), rs in rows.items() if c == name and dd == d)
-            seconds = _non_decreasing([statistics.median(r["seconds"] for r in rs) for _, rs in cells],
-                                      [len(rs) for _, rs in cells])
-            measurements += [Measurement(name, n, d, s, int(statistics.median(r["peak_bytes"] for r in rs)))
-                             for (n, rs), s in zip(cells, seconds)]
+    measurements = median_rows(rows, COMPONENTS)
     # once per step in every plan of this flow: the weight sync (each component is its own process, so even
     # collocated peers receive weights through the object store) and one round trip of the step's calls
     per_step = statistics.median(info["sync"]) + statistics.median(info["rpc"])
@@ -351,6 +344,20 @@ def _table(cfg, cluster: Cluster, rows: dict, info: dict, batch: int) -> Profile
                    weights=Weights(info["weights"], "actor", ("rollout", "inference")))
 
 
+def median_rows(rows: dict[tuple[str, int, int], list[dict]], components) -> list[Measurement]:
+    """{(component, batch, devices): [{seconds, peak_bytes}, ...]} -> one Measurement per cell: the medians, with
+    seconds made non-decreasing in batch per (component, devices)."""
+    measurements = []
+    for name in components:
+        for d in sorted({d for c, _, d in rows if c == name}):
+            cells = sorted((n, rs) for (c, n, dd), rs in rows.items() if c == name and dd == d)
+            seconds = _non_decreasing([statistics.median(r["seconds"] for r in rs) for _, rs in cells],
+                                      [len(rs) for _, rs in cells])
+            measurements += [Measurement(name, n, d, max(s, 1e-9), int(statistics.median(r["peak_bytes"] for r in rs)))
+                             for (n, rs), s in zip(cells, seconds)]
+    return measurements
+
+
 def _non_decreasing(values: list[float], weights: list[int]) -> list[float]:
     """The closest non-decreasing sequence (weighted least squares, pool adjacent violators): on a busy machine a
     bigger batch can time faster than a smaller one by chance, never by nature."""
@@ -365,18 +372,25 @@ def _non_decreasing(values: list[float], weights: list[int]) -> list[float]:
 
 def profile_command(config: str, overrides: list[str], out: str | None = None, batches: str | None = None,
                     repeats: int = 3) -> str:
-    """`m2flow profile CONFIG [overrides] [--out P.json] [--batches 8,16,32]`: profile, write, return a summary."""
+    """`m2flow profile CONFIG [overrides] [--out P.json] [--batches 8,16,32]`: profile the config's flow (reasoning or
+    embodied; embodied batches are env counts), write the table, return a summary."""
     from m2flow import config as C
 
     data = C.read_yaml(C.resolve_path(config))
-    if data.get("flow", "reasoning") != "reasoning":
-        raise C.ConfigError(f"config '{config}': the profiler covers the reasoning flow, not '{data['flow']}'")
-    cfg = C.load(C.ReasoningConfig, data, overrides)
+    flow = data.get("flow", "reasoning")
+    if flow not in ("reasoning", "embodied"):
+        raise C.ConfigError(f"config '{config}': flow must be reasoning | embodied, got '{flow}'")
+    cfg = C.load(C.ReasoningConfig if flow == "reasoning" else C.EmbodiedConfig, data, overrides)
     cluster = Cluster(cfg.cluster.address, cfg.cluster.cpu_devices)
     try:
         sizes = [int(s) for s in batches.split(",")] if batches else None
         start = time.perf_counter()
-        p = profile_reasoning(cfg, cluster, sizes, out, repeats=repeats)
+        if flow == "embodied":  # batches are env counts
+            from m2flow.flows.profile_embodied import profile_embodied
+
+            p = profile_embodied(cfg, cluster, sizes, out, repeats=repeats)
+        else:
+            p = profile_reasoning(cfg, cluster, sizes, out, repeats=repeats)
     finally:
         cluster.shutdown()
     lines = [f"profiled {len(p.measurements)} (component, batch, devices) cells on {p.machine.devices} x "

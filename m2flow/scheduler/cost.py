@@ -270,6 +270,8 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, env_s
         for c in members:
             if loop:
                 compute = 0.0
+            elif p.loop:  # env and rollout on the same devices: the S stages take turns, so they add up
+                compute = env_stages * model.seconds(c, batch // env_stages, layout.devices(c))
             elif c == head[0]:  # the source (rollout) runs the whole batch in one call; its outputs stream out
                 compute = model.seconds(c, batch, layout.devices(c)) / waves
             else:
@@ -314,8 +316,8 @@ def _check(p: Profile, layout: Layout, head, tail, batch: int, micro_batch: int,
         raise ValueError(f"only tail stages {list(tail)} can be shared over all devices, not {list(layout.shared)}")
     if batch % micro_batch or batch % env_stages:
         raise ValueError(f"micro_batch {micro_batch} and env_stages {env_stages} must divide the batch {batch}")
-    if env_stages > 1 and not (p.loop and layout.group_of(p.loop[0]) != layout.group_of(p.loop[1])):
-        raise ValueError("env_stages > 1 needs an env<->rollout loop with env and rollout on different devices")
+    if env_stages > 1 and not p.loop:
+        raise ValueError("env_stages > 1 needs an env<->rollout loop (an embodied profile)")
 
 
 def _memory(model: CostModel, layout: Layout, t: _Terms, batch: int, size: int, env_stages: int, offload: bool) -> None:
@@ -323,13 +325,12 @@ def _memory(model: CostModel, layout: Layout, t: _Terms, batch: int, size: int, 
     every resident state stays; with offload only the running turn's (the env<->rollout loop is one turn)."""
     p, fit, head = model.profile, model.fits, model.head
     cap = p.machine.memory_bytes
-    loop_split = t.loop is not None
     for g in range(len(layout.groups)):
         members = layout.groups[g] + layout.shared
         state, act = {}, {}
         for c in members:
             d = layout.devices(c)
-            if c in head and loop_split:
+            if c in head and p.loop:
                 n = batch // env_stages
             elif c in head and c != head[0]:  # the source works on the whole batch at once
                 n = size
@@ -379,7 +380,7 @@ def predict(model: CostModel, layout: Layout, batch: int | None = None, micro_ba
     over batch/micro_batch micro-batches: fill (first micro-batch through every group, plus transfers) + slowest
     group x (micro-batches - 1). A group's time per micro-batch is the sum of its components (+ their switches when
     offloading). Env<->rollout loop on different devices with S stages: max(S*env, S*rollout, env+rollout+transfer)
-    at batch/S. Then once-per-step work, switches, the tail stages on the whole batch one after another, weight sync.
+    at batch/S; on the same devices they take turns: S*(env + rollout) at batch/S. Then once-per-step work, switches, the tail stages on the whole batch one after another, weight sync.
     """
     batch = batch or model.profile.batch
     micro_batch = micro_batch or batch

@@ -240,8 +240,7 @@ def search(profile: Profile, num_devices: int, top: int = 10, components: list[s
         pipelined = len(head_groups) > 1
         shares = layout.shared or any(len(g) > 1 for g in layout.groups)
         if profile.loop:
-            split = layout.group_of(profile.loop[0]) != layout.group_of(profile.loop[1])
-            grains = [(batch // s, s) for s in ENV_STAGES if batch % s == 0 and (s == 1 or split)]
+            grains = [(batch // s, s) for s in ENV_STAGES if batch % s == 0]
         else:
             grains = [(m, 1) for m in micro] if pipelined else [(batch, 1)]
         for (m, s), offload in itertools.product(grains, (False, True) if shares else (False,)):

@@ -150,8 +150,11 @@ def test_embodied_loop_with_env_pipeline_stages():
     assert pred.seconds == pytest.approx(loop + 0.001 + 64 * 1e6 / 1e9 * 0.1 + actor)  # + trajectories to the actor
     one = predict(model, hybrid, 64, 64, env_stages=1)  # no overlap: env then rollout on half the devices each
     assert one.seconds > pred.seconds
+    # env and rollout on the same devices take turns: S stages add up, S x (env + rollout) at batch / S
+    together = predict(model, Layout.collocated(p.stages, 4), 64, 32, env_stages=2)
+    assert together.seconds == pytest.approx(2 * 2 * model.seconds("env", 32, 4) + actor)
     with pytest.raises(ValueError, match="env_stages > 1 needs"):
-        predict(model, Layout.collocated(p.stages, 4), 64, 32, env_stages=2)
+        predict(CostModel(load("pipeline_wins")), Layout((("rollout",), ("actor",)), (2, 2)), 256, 16, env_stages=2)
 
 
 def test_weight_sync_only_when_receivers_are_elsewhere():

@@ -1,0 +1,163 @@
+"""Profiler for the embodied flow (`m2flow profile CONFIG` with `flow: embodied`): times the real env and policy
+workers in lockstep at a few env counts, on one device and on two, and the real actor update on a whole iteration's
+trajectories, and writes the profile table the planner reads (docs/planner.md). It measures; it does not plan.
+
+In lockstep the env worker waits while the policy infers, so each is timed alone: the env row is the rollout's time
+less its waits for actions (stepping, bookkeeping, the trajectory put), the rollout row is those waits (inference and
+the call's round trip, which every plan pays per stage and step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+from m2flow.flows.profile import _Probe, median_rows
+from m2flow.runtime import Channel, Cluster, parse_placement
+from m2flow.scheduler.profile import (
+    ComponentInfo,
+    Machine,
+    Profile,
+    Transfer,
+    Weights,
+)
+from m2flow.workers.embodied_actor import EmbodiedActorWorker
+from m2flow.workers.env import EnvWorker
+from m2flow.workers.policy import PolicyWorker
+
+COMPONENTS = ("env", "rollout", "actor")
+STAGES = (1, 2, 4)  # env pipeline stages the planner considers: rows at num_envs / S envs
+
+
+class EnvProbe(_Probe, EnvWorker):
+    def resize(self, num_envs: int) -> None:
+        """Rebuild with `num_envs` envs in total (this rank's share: num_envs / ranks), in lockstep."""
+        base = self.__dict__.setdefault("base_cfg", self.cfg)
+        groups = base.env.seed_groups if num_envs == base.env.num_envs else 1
+        self.group.close()
+        EnvWorker.__init__(self, dataclasses.replace(base, env=dataclasses.replace(
+            base.env, num_envs=num_envs, pipeline_stages=1, seed_groups=groups)))
+
+
+class PolicyProbe(_Probe, PolicyWorker):
+    def model_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.policy.state_dict().values())
+
+
+class EmbodiedActorProbe(_Probe, EmbodiedActorWorker):
+    def model_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.policy.state_dict().values())
+
+
+def default_batches(num_envs: int) -> list[int]:
+    """Envs per profiled rollout: num_envs / S for the env pipeline stages S the planner considers."""
+    return sorted({num_envs // s for s in STAGES if num_envs % s == 0})
+
+
+def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, out_path: str | Path | None = None,
+                     repeats: int = 3, devices: tuple[int, ...] | None = None,
+                     run_dir: str | Path | None = None) -> Profile:
+    """Profile the embodied flow of `cfg` on `cluster`; write the table to `out_path` (default
+    `run_dir/profile.json`) and the raw timings to `profile_details.json` beside it.
+
+    `batches`: envs per rollout (default `default_batches`); `devices`: device counts (default 1 and 2 where the
+    cluster has 2): d = `env,rollout,actor: 0-(d-1)`, one worker of each per device (env worker r in lockstep with
+    policy worker r; the actor ranks data-parallel). Each row is the median of `repeats` rollouts (or updates) after
+    a warm-up rollout."""
+    from m2flow.flows.embodied import sync_weights
+
+    run_dir = Path(run_dir or cfg.run.path)
+    out_path = Path(out_path or run_dir / "profile.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    work_dir = run_dir / "profile_work"
+    num_envs, horizon = cfg.env.num_envs, cfg.rollout.steps
+    batches = sorted(set(batches or default_batches(num_envs)) | {num_envs})
+    if any(b < 1 or b > num_envs for b in batches):
+        raise ValueError(f"profile: env counts {batches} must lie in 1..env.num_envs={num_envs}")
+    devices = devices or tuple(d for d in (1, 2) if d <= cluster.num_devices)
+    rows: dict[tuple[str, int, int], list[dict]] = {}
+    details: dict = {"batches": batches, "devices": list(devices), "repeats": repeats, "horizon": horizon, "calls": []}
+    info: dict = {"sync": [], "rpc": []}
+    trajectories = Channel.create(f"{out_path.resolve()}:{time.time_ns()}/trajectories")
+    step = 0
+    try:
+        for d in devices:
+            last = "0" if d == 1 else f"0-{d - 1}"
+            placement = parse_placement(f"env,rollout,actor: {last}", cluster.num_devices, COMPONENTS)
+            env = EnvProbe.launch(cluster, placement["env"], cfg, run_dir=str(work_dir))
+            groups = [env]
+            try:
+                spaces = env.on(0).spaces().wait()[0]
+                policy = PolicyProbe.launch(cluster, placement["rollout"], cfg, *spaces, run_dir=str(work_dir))
+                groups.append(policy)
+                actor = EmbodiedActorProbe.launch(cluster, placement["actor"], cfg, *spaces, run_dir=str(work_dir))
+                groups.append(actor)
+                sync_weights(actor, policy)
+                policy_of = [policy.on(r) for r in range(d)]
+                for b in (b for b in batches if b % d == 0):
+                    env.resize(b).wait()
+                    for i in range(repeats + 1):  # the first rollout of each size warms up
+                        outs = env.call_per_rank("rollout", [(policy_of[r], trajectories, horizon, step, d)
+                                                             for r in range(d)]).wait()
+                        step += 1
+                        if b == num_envs:  # the update on this whole iteration's trajectories
+                            t = time.perf_counter()
+                            r = max(actor.timed("train", trajectories, 0, d).wait(), key=lambda x: x["seconds"])
+                            info["rpc"].append(time.perf_counter() - t - r["seconds"])
+                        else:  # one copy per actor rank from each env worker
+                            for a in range(d * d):
+                                trajectories.get(key=a // d)
+                        if not i:
+                            continue
+                        cells = {"env": max(o["seconds"] - o["wait_time"] for o in outs),
+                                 "rollout": max(o["wait_time"] for o in outs)}
+                        if b == num_envs:
+                            cells["actor"] = r["seconds"]
+                        for name, seconds in cells.items():
+                            peak = r["peak_bytes"] if name == "actor" else 0
+                            rows.setdefault((name, b, d), []).append({"seconds": seconds, "peak_bytes": peak})
+                            details["calls"].append({"component": name, "batch": b, "devices": d,
+                                                     "seconds": seconds})
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    sync_weights(actor, policy)
+                    info["sync"].append(time.perf_counter() - t)
+                if d == min(devices):
+                    info["state"] = {"rollout": policy.model_bytes().wait()[0], "actor": actor.state_bytes().wait()[0]}
+                    info["weights"] = actor.model_bytes().wait()[0]
+                    info["machine"] = env.machine(len(cluster.nodes[0]["devices"])).wait()[0]
+            finally:
+                for g in groups:
+                    g.kill()
+    finally:
+        trajectories.destroy()
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+    profile = _table(cluster, rows, info, num_envs)
+    details.update(sync_seconds=info["sync"], call_overhead_seconds=info["rpc"])
+    profile.save(out_path)
+    profile.source = str(out_path)
+    (out_path.parent / "profile_details.json").write_text(json.dumps(details, indent=1) + "\n")
+    return profile
+
+
+def _table(cluster: Cluster, rows: dict, info: dict, num_envs: int) -> Profile:
+    kind, memory = info["machine"]
+    measurements = median_rows(rows, COMPONENTS)
+    # once per iteration in every plan: the weight sync (the policy workers are other processes, even collocated
+    # ones) and one round trip of a worker call
+    fixed = statistics.median(info["sync"]) + statistics.median(info["rpc"])
+    components = {"env": ComponentInfo(),
+                  "rollout": ComponentInfo(state_bytes=info["state"]["rollout"]),
+                  "actor": ComponentInfo(state_bytes=info["state"]["actor"], streams=False,
+                                         fixed_seconds=fixed)}
+    # channel and call costs are inside the rows: the flow moves obs, actions and trajectories the same way in
+    # every plan, so the transfer terms are zero
+    return Profile(flow="embodied", stages=COMPONENTS, loop=COMPONENTS[:2], batch=num_envs,
+                   machine=Machine(kind, cluster.num_devices, int(memory)), components=components,
+                   measurements=measurements, transfer=Transfer(),
+                   weights=Weights(info["weights"], "actor", ("rollout",)))

@@ -1,0 +1,36 @@
+"""The plans the embodied flow can run on N devices: the search's env/rollout/actor layouts x env pipeline stages,
+kept where the flow can launch them (one worker of each component per device). Pure: it runs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from m2flow.scheduler.profile import Profile
+from m2flow.scheduler.search import Candidate, SearchResult, search
+
+COMPONENTS = ("env", "rollout", "actor")
+
+
+def runnable(c: Candidate, num_envs: int) -> bool:
+    """The flow can launch it: no offload (the flow does not context-switch); every env worker gets the same number of
+    envs, split into equal stages; no policy worker without an env worker (env worker r asks policy r % R)."""
+    env, rollout = c.layout.devices("env"), c.layout.devices("rollout")
+    per_worker = num_envs // env
+    return (not c.offload and num_envs % env == 0 and per_worker % c.env_stages == 0 and env % rollout == 0)
+
+
+def embodied_plans(profile: Profile, num_devices: int, num_envs: int | None = None, top: int = 1 << 30) -> SearchResult:
+    """The plans the embodied flow can run on `num_devices` devices for `num_envs` envs (default: the profile's
+    batch), fastest predicted first (one row per layout and stage count), and the fastest collocated one. A
+    candidate's `spec` launches it: one worker per device for each component (env worker r asks policy worker r % R;
+    the actor ranks are data-parallel)."""
+    if tuple(profile.stages) != COMPONENTS or tuple(profile.loop) != COMPONENTS[:2]:
+        raise ValueError(f"{profile.source}: an embodied profile with stages {list(COMPONENTS)} and loop "
+                         f"{list(COMPONENTS[:2])} is needed, got stages {list(profile.stages)}, "
+                         f"loop {list(profile.loop)}")
+    num_envs = num_envs or profile.batch
+    result = search(profile, num_devices, top=1 << 30, components=list(COMPONENTS), batch=num_envs)
+    keep = [c for c in result.candidates if runnable(c, num_envs)]
+    collocated = next((c for c in keep if c.mode == "collocated"), None)
+    return dataclasses.replace(result, candidates=keep[:top], collocated=collocated)

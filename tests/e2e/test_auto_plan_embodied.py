@@ -1,0 +1,57 @@
+"""Auto mode for the embodied flow on this machine (issue 6): `cluster.placement: auto` profiles env, policy and
+actor, plans placements x env pipeline stages for the 2 CPU devices and trains the chosen plan; then every other
+placement the flow can run there trains for as many iterations. The plan auto mode picked must be within 10% of the
+best measured (on a loaded machine: the retry and the tie rule of tests/e2e/test_auto_plan.py)."""
+
+import time
+
+import pytest
+from auto_check import assert_auto_near_best, auto_outputs
+
+from m2flow import config as C
+from m2flow.flows.auto import measure_embodied_plan
+from m2flow.flows.embodied import train
+from m2flow.runtime import parse_placement
+from m2flow.scheduler.profile import Profile
+
+COMPONENTS = ["env", "rollout", "actor"]
+STEPS = 4  # per plan; the first warms up, the median of the other 3 is the measured iteration time
+
+
+def make_cfg(tmp_path):
+    return C.load(C.EmbodiedConfig, None, [
+        f"run.dir={tmp_path}", "run.name=auto", "run.progress=false", "run.trace=false", f"run.steps={STEPS}",
+        "env.id=CartPole-v1", "env.num_envs=8", "rollout.steps=32", "actor.epochs=4", "actor.minibatch_size=64",
+        "eval.episodes=0", "cluster.placement=auto"])
+
+
+@pytest.mark.timeout(900)
+def test_embodied_auto_picks_a_plan_within_10_percent_of_the_best_measured(cluster, tmp_path):
+    cfg = make_cfg(tmp_path)
+    run = tmp_path / "auto"
+    start = time.perf_counter()
+    train(cfg, cluster)  # placement: auto -> profile, plan, train the chosen plan, report
+    print(f"\nauto mode (profile + plan + {STEPS} iterations): {time.perf_counter() - start:.0f} s")
+
+    profile = Profile.load(run / "profile.json")
+    assert profile.flow == "embodied" and profile.loop == ("env", "rollout") and profile.batch == 8
+    for name in COMPONENTS:
+        assert {m.devices for m in profile.measurements if m.component == name} == {1, 2}, name
+    assert {m.batch for m in profile.measurements if m.component == "env" and m.devices == 1} == {2, 4, 8}
+    assert profile.components["actor"].fixed_seconds > 0 and not profile.components["actor"].streams
+    plan, plans, report = auto_outputs(run, STEPS)
+    assert plan["pipeline_stages"] == plans[0]["pipeline_stages"]
+    # every placement the flow can run on 2 devices, at the stage count the planner ranks best for it
+    assert len(plans) == 4 and {parse_placement(c["placement_spec"], 2, COMPONENTS).mode for c in plans} == {
+        "collocated", "hybrid"}
+
+    def measure(c, i):
+        t = time.perf_counter()
+        seconds = measure_embodied_plan(cfg, cluster, c["placement_spec"], c["pipeline_stages"], tmp_path / f"plan{i}",
+                                        STEPS)
+        print(f"{c['placement_spec']} ({c['pipeline_stages']} stages): {seconds:.3f} s/iteration "
+              f"({time.perf_counter() - t:.0f} s to run)", flush=True)
+        return seconds
+
+    measured = [report["measured_step_seconds"]] + [measure(c, i) for i, c in enumerate(plans) if i]
+    assert_auto_near_best(plans, measured, measure, "pipeline_stages")

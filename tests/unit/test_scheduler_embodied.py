@@ -1,0 +1,79 @@
+"""The embodied flow's plans (placements of env, rollout, actor x env pipeline stages) on hand-made profiles whose
+optimum is known: balanced env and policy times -> the 2-stage hybrid wins; a tiny policy -> lockstep collocated."""
+
+import pytest
+
+from m2flow.runtime.placement import parse_placement
+from m2flow.scheduler.embodied import COMPONENTS, embodied_plans
+from m2flow.scheduler.profile import Profile
+
+
+def profile(env: float, policy: float, actor: float = 0.1, slowdown: float = 1.0, envs: int = 32) -> Profile:
+    """Rows on 1 and 2 devices: env/rollout take 0.02 s + `env`/`policy` s per `envs` envs over the horizon on one
+    device; on two, each device's share costs `slowdown` x its one-device time (1.0: perfect scaling). The actor
+    updates all envs in `actor` s on one device, half that on two; 0.01 s once per iteration."""
+    rows = []
+    for name, per in (("env", env), ("rollout", policy)):
+        for n in (envs // 4, envs // 2, envs):
+            rows.append({"component": name, "batch": n, "devices": 1, "seconds": 0.02 + per * n / envs})
+            rows.append({"component": name, "batch": n, "devices": 2,
+                         "seconds": (0.02 + per * n / 2 / envs) * slowdown})
+    rows += [{"component": "actor", "batch": envs, "devices": 1, "seconds": actor},
+             {"component": "actor", "batch": envs, "devices": 2, "seconds": actor / 2}]
+    return Profile.from_dict({
+        "flow": "embodied", "stages": list(COMPONENTS), "loop": ["env", "rollout"], "batch": envs,
+        "machine": {"kind": "cpu-slot-1core", "devices": 2, "memory_bytes": 8_000_000_000},
+        "components": {"env": {}, "rollout": {"state_bytes": 1000},
+                       "actor": {"state_bytes": 3000, "streams": False, "fixed_seconds": 0.01}},
+        "measurements": rows}, source="<hand-made>")
+
+
+def test_balanced_env_and_policy_pipeline_in_two_stages_on_two_devices():
+    # two workers per device contend (slowdown 1.6): the 2-device collocated plan gains little from its second device
+    r = embodied_plans(profile(env=1.0, policy=1.0, slowdown=1.6), 2)
+    best = r.best
+    assert (best.spec, best.env_stages, best.mode) == ("env: 0; rollout: 1; actor: all", 2, "hybrid")
+    # the loop: each side busy 2 x (0.02 + 0.5); then the update on both devices and the once-per-iteration work
+    assert best.seconds == pytest.approx(2 * 0.52 + 0.05 + 0.01)
+    lockstep = next(c for c in r.candidates if c.spec == best.spec and c.env_stages == 1)
+    assert lockstep.seconds == pytest.approx(1.02 + 1.02 + 0.06)  # env, then policy: nothing overlaps
+    assert r.collocated.seconds == pytest.approx(2 * (0.02 + 0.5) * 1.6 + 0.06)
+    assert r.collocated.seconds > best.seconds
+
+
+def test_tiny_policy_runs_lockstep_collocated():
+    r = embodied_plans(profile(env=1.0, policy=0.001), 2)
+    best = r.best
+    assert (best.spec, best.env_stages, best.mode) == ("env,rollout,actor: all", 1, "collocated")
+    assert best.seconds == pytest.approx((0.02 + 0.5) + (0.02 + 0.0005) + 0.05 + 0.01)
+    assert r.collocated is best
+    # more stages on one device only add per-call costs
+    staged = [c for c in r.candidates if c.mode == "collocated" and c.env_stages > 1]
+    assert staged and all(c.seconds > best.seconds for c in staged)
+
+
+def test_every_plan_launches_as_the_flow_runs_it():
+    p = profile(env=1.0, policy=1.0)
+    r = embodied_plans(p, 2)
+    # on 2 devices: 4 placements x 3 stage counts, every one with whole env stages
+    assert {(c.spec, c.env_stages) for c in r.candidates} == {
+        (s, k) for s in ("env,rollout,actor: all", "env: 0; rollout,actor: 1", "env,rollout: 0; actor: 1",
+                         "env: 0; rollout: 1; actor: all") for k in (1, 2, 4)}
+    for c in r.candidates:
+        placement = parse_placement(c.spec, 2, list(COMPONENTS))
+        assert placement.mode == c.mode and not c.offload and c.micro_batch * c.env_stages == 32
+    assert [c.seconds for c in r.candidates] == sorted(c.seconds for c in r.candidates)
+    # 12 envs on 4 devices: env workers on 3 devices get 4 envs each; on 4 devices 3 each, so 1 stage only
+    r4 = embodied_plans(p, 4, num_envs=12)
+    for c in r4.candidates:
+        per_worker = 12 // c.layout.devices("env")
+        assert 12 % c.layout.devices("env") == 0 and per_worker % c.env_stages == 0
+        assert c.layout.devices("env") % c.layout.devices("rollout") == 0
+    assert not any(c.layout.devices("env") == 4 and c.env_stages > 1 for c in r4.candidates)
+
+
+def test_needs_an_embodied_profile():
+    p = profile(env=1.0, policy=1.0)
+    bad = Profile.from_dict({**p.to_dict(), "loop": []}, source="x.json")
+    with pytest.raises(ValueError, match="x.json: an embodied profile"):
+        embodied_plans(bad, 2)
