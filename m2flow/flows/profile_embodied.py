@@ -4,7 +4,8 @@ trajectories, and writes the profile table the planner reads (docs/planner.md). 
 
 In lockstep the env worker waits while the policy infers, so each is timed alone: the env row is the rollout's time
 less its waits for actions (stepping, bookkeeping, the trajectory put), the rollout row is those waits (inference and
-the call's round trip, which every plan pays per stage and step).
+the call's round trip, which every plan pays per stage and step). The rows have env and policy on the same device; one
+more lockstep rollout with the policy on a device of its own gives `loop_split_seconds`, the difference.
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
             finally:
                 for g in groups:
                     g.kill()
+        if cluster.num_devices >= 2 and 1 in devices:
+            info["split_wait"], step = _split_loop(cfg, cluster, trajectories, work_dir, repeats, step)
     finally:
         trajectories.destroy()
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -143,6 +146,29 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
     profile.source = str(out_path)
     (out_path.parent / "profile_details.json").write_text(json.dumps(details, indent=1) + "\n")
     return profile
+
+
+def _split_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int, step: int) -> tuple[float, int]:
+    """The lockstep rollout at the full env count with the policy on a device of its own (`env: 0; rollout: 1`):
+    the median of its waits for actions, to compare with the rows measured with env and policy on one device."""
+    placement = parse_placement("env: 0; rollout: 1", cluster.num_devices, COMPONENTS[:2])
+    env = EnvProbe.launch(cluster, placement["env"], cfg, run_dir=str(work_dir))
+    groups, waits = [env], []
+    try:
+        env.resize(cfg.env.num_envs).wait()
+        policy = PolicyProbe.launch(cluster, placement["rollout"], cfg, *env.on(0).spaces().wait()[0],
+                                    run_dir=str(work_dir))
+        groups.append(policy)
+        for i in range(repeats + 1):  # the first warms up
+            out = env.rollout(policy, trajectories, cfg.rollout.steps, step, 1).wait()[0]
+            trajectories.get(key=0)
+            step += 1
+            if i:
+                waits.append(out["wait_time"])
+    finally:
+        for g in groups:
+            g.kill()
+    return statistics.median(waits), step
 
 
 def _table(cluster: Cluster, rows: dict, info: dict, num_envs: int) -> Profile:
@@ -157,7 +183,9 @@ def _table(cluster: Cluster, rows: dict, info: dict, num_envs: int) -> Profile:
                                          fixed_seconds=fixed)}
     # channel and call costs are inside the rows: the flow moves obs, actions and trajectories the same way in
     # every plan, so the transfer terms are zero
-    return Profile(flow="embodied", stages=COMPONENTS, loop=COMPONENTS[:2], batch=num_envs,
+    shared = next(m.seconds for m in measurements if m.component == "rollout" and m.batch == num_envs and m.devices == 1)
+    split = info["split_wait"] - shared if "split_wait" in info else 0.0
+    return Profile(flow="embodied", stages=COMPONENTS, loop=COMPONENTS[:2], loop_split_seconds=split, batch=num_envs,
                    machine=Machine(kind, cluster.num_devices, int(memory)), components=components,
                    measurements=measurements, transfer=Transfer(),
                    weights=Weights(info["weights"], "actor", ("rollout",)))

@@ -257,8 +257,8 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, env_s
     if p.loop and pipelined:  # env and rollout on different devices: env_stages sub-batches alternate between them
         sub = batch // env_stages
         env, pol = p.loop
-        loop = (model.seconds(env, sub, layout.devices(env)), model.seconds(pol, sub, layout.devices(pol)),
-                p.transfer.seconds(sub), env_stages)
+        policy = max(model.seconds(pol, sub, layout.devices(pol)) + p.loop_split_seconds, 0.0)
+        loop = (model.seconds(env, sub, layout.devices(env)), policy, p.transfer.seconds(sub), env_stages)
         waves, link = 1, 0.0
     else:
         waves = batch // micro_batch if pipelined else 1
