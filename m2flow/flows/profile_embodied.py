@@ -3,9 +3,9 @@ workers in lockstep at a few env counts, on one device and on two, and the real 
 trajectories, and writes the profile table the planner reads (docs/planner.md). It measures; it does not plan.
 
 In lockstep the env worker waits while the policy infers, so each is timed alone: the env row is the rollout's time
-less its waits for actions (stepping, bookkeeping, the trajectory put), the rollout row is those waits (inference and
-the call's round trip, which every plan pays per stage and step). The rows have env and policy on the same device; one
-more lockstep rollout with the policy on a device of its own gives `loop_split_seconds`, the difference.
+less its waits for actions (stepping, bookkeeping, the trajectory put), the rollout row is the policy's own compute
+for those requests. The rest of each wait is the hand-overs' round trip, `loop_latency`: measured with env and policy
+on one device (`shared`) and, in one more lockstep rollout, on two (`split`); a pipeline hides the second, not the first.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from m2flow.flows.profile import _Probe, median_rows
 from m2flow.runtime import Channel, Cluster, parse_placement
 from m2flow.scheduler.profile import (
     ComponentInfo,
+    LoopLatency,
     Machine,
     Profile,
     Transfer,
@@ -115,7 +116,9 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                         if not i:
                             continue
                         cells = {"env": max(o["seconds"] - o["wait_time"] for o in outs),
-                                 "rollout": max(o["wait_time"] for o in outs)}
+                                 "rollout": max(o["policy_time"] for o in outs)}
+                        if d == 1 and b == num_envs:
+                            info.setdefault("shared", []).append(outs[0]["wait_time"] - outs[0]["policy_time"])
                         if b == num_envs:
                             cells["actor"] = r["seconds"]
                         for name, seconds in cells.items():
@@ -135,7 +138,7 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                 for g in groups:
                     g.kill()
         if cluster.num_devices >= 2 and 1 in devices:
-            info["split_wait"], step = _split_loop(cfg, cluster, trajectories, work_dir, repeats, step)
+            info["split"], step = _split_loop(cfg, cluster, trajectories, work_dir, repeats, step)
     finally:
         trajectories.destroy()
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -149,8 +152,8 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
 
 
 def _split_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int, step: int) -> tuple[float, int]:
-    """The lockstep rollout at the full env count with the policy on a device of its own (`env: 0; rollout: 1`):
-    the median of its waits for actions, to compare with the rows measured with env and policy on one device."""
+    """The lockstep rollout at the full env count with the policy on a device of its own (`env: 0; rollout: 1`): the
+    median of its waits for actions beyond the policy's compute (the hand-overs' round trips between devices)."""
     placement = parse_placement("env: 0; rollout: 1", cluster.num_devices, COMPONENTS[:2])
     env = EnvProbe.launch(cluster, placement["env"], cfg, run_dir=str(work_dir))
     groups, waits = [env], []
@@ -164,7 +167,7 @@ def _split_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: in
             trajectories.get(key=0)
             step += 1
             if i:
-                waits.append(out["wait_time"])
+                waits.append(out["wait_time"] - out["policy_time"])
     finally:
         for g in groups:
             g.kill()
@@ -183,9 +186,9 @@ def _table(cluster: Cluster, rows: dict, info: dict, num_envs: int) -> Profile:
                                          fixed_seconds=fixed)}
     # channel and call costs are inside the rows: the flow moves obs, actions and trajectories the same way in
     # every plan, so the transfer terms are zero
-    shared = next(m.seconds for m in measurements if m.component == "rollout" and m.batch == num_envs and m.devices == 1)
-    split = info["split_wait"] - shared if "split_wait" in info else 0.0
-    return Profile(flow="embodied", stages=COMPONENTS, loop=COMPONENTS[:2], loop_split_seconds=split, batch=num_envs,
+    shared = statistics.median(info["shared"]) if info.get("shared") else 0.0
+    latency = LoopLatency(shared=shared, split=info.get("split", shared))
+    return Profile(flow="embodied", stages=COMPONENTS, loop=COMPONENTS[:2], loop_latency=latency, batch=num_envs,
                    machine=Machine(kind, cluster.num_devices, int(memory)), components=components,
                    measurements=measurements, transfer=Transfer(),
                    weights=Weights(info["weights"], "actor", ("rollout",)))

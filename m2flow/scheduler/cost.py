@@ -257,8 +257,8 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, env_s
     if p.loop and pipelined:  # env and rollout on different devices: env_stages sub-batches alternate between them
         sub = batch // env_stages
         env, pol = p.loop
-        policy = max(model.seconds(pol, sub, layout.devices(pol)) + p.loop_split_seconds, 0.0)
-        loop = (model.seconds(env, sub, layout.devices(env)), policy, p.transfer.seconds(sub), env_stages)
+        loop = (model.seconds(env, sub, layout.devices(env)), model.seconds(pol, sub, layout.devices(pol)),
+                p.transfer.seconds(sub) + p.loop_latency.split, env_stages)
         waves, link = 1, 0.0
     else:
         waves = batch // micro_batch if pipelined else 1
@@ -272,6 +272,8 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, env_s
                 compute = 0.0
             elif p.loop:  # env and rollout on the same devices: the S stages take turns, so they add up
                 compute = env_stages * model.seconds(c, batch // env_stages, layout.devices(c))
+                if c == p.loop[1]:  # and every hand-over's round trip too
+                    compute += env_stages * p.loop_latency.shared
             elif c == head[0]:  # the source (rollout) runs the whole batch in one call; its outputs stream out
                 compute = model.seconds(c, batch, layout.devices(c)) / waves
             else:
@@ -379,8 +381,9 @@ def predict(model: CostModel, layout: Layout, batch: int | None = None, micro_ba
     Head (streaming stages): one group -> its components add up on the whole batch; several groups -> a pipeline
     over batch/micro_batch micro-batches: fill (first micro-batch through every group, plus transfers) + slowest
     group x (micro-batches - 1). A group's time per micro-batch is the sum of its components (+ their switches when
-    offloading). Env<->rollout loop on different devices with S stages: max(S*env, S*rollout, env+rollout+transfer)
-    at batch/S; on the same devices they take turns: S*(env + rollout) at batch/S. Then once-per-step work, switches, the tail stages on the whole batch one after another, weight sync.
+    offloading). Env<->rollout loop on different devices with S stages: max(S*env, S*rollout, env+rollout+transfer
+    +split latency) at batch/S; on the same devices they take turns: S*(env + rollout + shared latency) at batch/S.
+    Then once-per-step work, switches, the tail stages on the whole batch one after another, weight sync.
     """
     batch = batch or model.profile.batch
     micro_batch = micro_batch or batch

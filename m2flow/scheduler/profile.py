@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,6 +75,15 @@ class Weights:
     to: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class LoopLatency:
+    """Embodied: seconds per env stage and rollout that the env waits for actions beyond the policy's own compute (the
+    rollout rows): the hand-overs' round trips, with env and policy on the same devices or on different ones."""
+
+    shared: float = 0.0
+    split: float = 0.0
+
+
 @dataclass
 class Profile:
     """A flow's measured costs. `stages` is the order data moves in; `loop` (embodied) names the first two
@@ -90,10 +98,7 @@ class Profile:
     transfer: Transfer = field(default_factory=Transfer)
     weights: Weights = field(default_factory=Weights)
     loop: tuple[str, ...] = ()
-    # embodied: how the rollout row's seconds change (per stage and rollout) when the policy has devices of its own
-    # instead of sharing the env's; negative on CPU slots, where a hand-over between two processes on one core costs
-    # more than one between cores
-    loop_split_seconds: float = 0.0
+    loop_latency: LoopLatency = field(default_factory=lambda: LoopLatency())
     source: str = "<profile>"  # where it was read from, for error messages
 
     # -- reading and writing -------------------------------------------------------------------
@@ -115,7 +120,7 @@ class Profile:
         weights = {"bytes": self.weights.bytes, "from": self.weights.source, "to": list(self.weights.to)}
         return {
             "flow": self.flow, "stages": list(self.stages), "loop": list(self.loop),
-            "loop_split_seconds": self.loop_split_seconds, "batch": self.batch,
+            "loop_latency": asdict(self.loop_latency), "batch": self.batch,
             "machine": asdict(self.machine), "transfer": asdict(self.transfer), "weights": weights,
             "components": {name: asdict(info) for name, info in self.components.items()},
             "measurements": [asdict(m) for m in self.measurements],
@@ -125,7 +130,7 @@ class Profile:
     def from_dict(cls, data: Any, source: str = "<profile>") -> Profile:
         r = _Reader(source)
         required = {"flow", "stages", "batch", "machine", "components", "measurements"}
-        r.mapping(data, "", required | {"loop", "loop_split_seconds", "transfer", "weights"}, required)
+        r.mapping(data, "", required | {"loop", "loop_latency", "transfer", "weights"}, required)
         flow = r.string(data, "flow")
         stages = tuple(r.names(data, "stages"))
         if not stages:
@@ -139,9 +144,12 @@ class Profile:
         if loop and loop != stages[:2]:
             r.fail("loop", f"must be the first two stages {list(stages[:2])} (they alternate every env step), "
                            f"got {list(loop)}")
-        loop_split = r.number(data, "loop_split_seconds", default=0.0, minimum=-math.inf)
-        if loop_split and not loop:
-            r.fail("loop_split_seconds", "is set, but the profile has no env<->rollout loop")
+        lat = data.get("loop_latency", {})
+        r.mapping(lat, "loop_latency", {"shared", "split"})
+        loop_latency = LoopLatency(r.number(lat, "shared", "loop_latency", default=0.0),
+                                   r.number(lat, "split", "loop_latency", default=0.0))
+        if (loop_latency.shared or loop_latency.split) and not loop:
+            r.fail("loop_latency", "is set, but the profile has no env<->rollout loop")
         batch = r.integer(data, "batch", minimum=1)
 
         m = data["machine"]
@@ -203,7 +211,7 @@ class Profile:
         for name in stages:
             if not any(m.component == name for m in measurements):
                 r.fail("measurements", f"has no row for component {name!r}; every stage needs at least one")
-        return cls(flow, stages, batch, machine, components, measurements, transfer, weights, loop, loop_split, source)
+        return cls(flow, stages, batch, machine, components, measurements, transfer, weights, loop, loop_latency, source)
 
 
 def load_profile(path: str | Path) -> Profile:

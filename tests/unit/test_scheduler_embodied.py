@@ -79,18 +79,21 @@ def test_needs_an_embodied_profile():
         embodied_plans(bad, 2)
 
 
-def test_a_cheaper_hand_over_between_devices_splits_env_and_policy():
-    """With the policy's rows 0.3 s cheaper per stage when it has a device of its own (loop_split_seconds), lockstep with
-    env and policy on separate devices beats both on one; without it the two are predicted equal."""
+def test_hand_over_latency_shared_and_split():
+    """loop_latency: 0.3 s of round trips per stage and rollout when env and policy share a device, 0.05 s between
+    devices. Lockstep on one device pays the shared one per stage; split over two devices the split one, and with
+    2 stages that hides behind the other stage's work."""
     base = profile(env=1.0, policy=0.5, actor=0.05, slowdown=1.6)
-    tied = {c.spec: c.seconds for c in embodied_plans(base, 2).candidates if c.env_stages == 1}
-    assert tied["env: 0; rollout,actor: 1"] == pytest.approx(tied["env,rollout: 0; actor: 1"])
-    split = Profile.from_dict({**base.to_dict(), "loop_split_seconds": -0.3}, source="<hand-made>")
-    r = embodied_plans(split, 2)
-    lock = {c.spec: c.seconds for c in r.candidates if c.env_stages == 1}
-    assert lock["env: 0; rollout,actor: 1"] == pytest.approx(tied["env: 0; rollout,actor: 1"] - 0.3)
-    assert lock["env,rollout: 0; actor: 1"] == pytest.approx(tied["env,rollout: 0; actor: 1"])  # shared: unchanged
-    assert r.best.spec in ("env: 0; rollout,actor: 1", "env: 0; rollout: 1; actor: all"), r.best.spec
-    assert r.best.seconds < min(lock["env,rollout: 0; actor: 1"], r.collocated.seconds)
-    with pytest.raises(Exception, match="loop_split_seconds.*no env<->rollout loop"):
-        Profile.from_dict({**base.to_dict(), "loop": [], "loop_split_seconds": -0.3}, source="x.json")
+    tied = {(c.spec, c.env_stages): c.seconds for c in embodied_plans(base, 2).candidates}
+    assert tied[("env: 0; rollout,actor: 1", 1)] == pytest.approx(tied[("env,rollout: 0; actor: 1", 1)])
+    p = Profile.from_dict({**base.to_dict(), "loop_latency": {"shared": 0.3, "split": 0.05}}, source="<hand-made>")
+    r = embodied_plans(p, 2)
+    got = {(c.spec, c.env_stages): c.seconds for c in r.candidates}
+    assert got[("env,rollout: 0; actor: 1", 1)] == pytest.approx(tied[("env,rollout: 0; actor: 1", 1)] + 0.3)
+    assert got[("env,rollout: 0; actor: 1", 2)] == pytest.approx(tied[("env,rollout: 0; actor: 1", 2)] + 2 * 0.3)
+    assert got[("env: 0; rollout,actor: 1", 1)] == pytest.approx(tied[("env: 0; rollout,actor: 1", 1)] + 0.05)
+    # 2 stages: max(2 x env, 2 x policy, env + policy + latency) at 16 envs = 2 x 0.52, latency hidden
+    assert got[("env: 0; rollout,actor: 1", 2)] == pytest.approx(tied[("env: 0; rollout,actor: 1", 2)])
+    assert p.to_dict()["loop_latency"] == {"shared": 0.3, "split": 0.05}
+    with pytest.raises(Exception, match="loop_latency.*no env<->rollout loop"):
+        Profile.from_dict({**base.to_dict(), "loop": [], "loop_latency": {"shared": 0.1}}, source="x.json")
