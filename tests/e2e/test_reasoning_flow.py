@@ -54,10 +54,12 @@ def test_grpo_steps_train_and_sync(cluster, tmp_path, placement, mode):
 
 
 def test_pipelined_trace_overlaps_rollout_and_training(cluster, tmp_path):
-    """In the pipelined plan the inference/actor device works while rollout still generates."""
+    """In the pipelined plan the inference/actor device works while rollout still generates. With 8 decode slots for
+    16 prompts x 4 samples the engine finishes two prompt groups at a time (continuous batching), so each micro-batch
+    of 8 samples is ready several waves before generation ends."""
     cfg = make_cfg(tmp_path, "overlap", "cluster.placement=rollout: 0; reward,inference,actor: 1",
                    "rollout.prompts_per_step=16", "actor.micro_batch=8", "rollout.max_new_tokens=8", "run.steps=2",
-                   "rollout.engine=hf")
+                   "rollout.engine=native", "rollout.max_slots=8")
     train(cfg, cluster)
     events = [e for e in json.loads((tmp_path / "overlap" / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
     gen = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "generate"]
