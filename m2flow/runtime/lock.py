@@ -54,15 +54,16 @@ class _LockServer:
         self.watcher = None
 
     async def _watch(self):
-        while True:
+        """While anyone waits, pass a dead holder's lock on. Ends when no one waits (a task left pending at Ray's
+        shutdown would be reported as destroyed)."""
+        while any(lock.waiters for lock in self.locks.values()):
             await asyncio.sleep(_CHECK_S)
             for lock in self.locks.values():
                 if lock.holder and lock.waiters and not _alive(*lock.holder[1:]):
                     lock.pass_on()
+        self.watcher = None
 
     async def acquire(self, index: int, owner: str, pid: int, ctime: float, timeout: float | None) -> bool:
-        if self.watcher is None:
-            self.watcher = asyncio.ensure_future(self._watch())
         lock = self.locks.setdefault(index, _Lock())
         if lock.holder and lock.holder[0] == owner:
             lock.count += 1
@@ -74,6 +75,8 @@ class _LockServer:
             return True
         fut = asyncio.get_running_loop().create_future()
         lock.waiters.append((owner, pid, ctime, fut))
+        if self.watcher is None:
+            self.watcher = asyncio.ensure_future(self._watch())
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
