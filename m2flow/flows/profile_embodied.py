@@ -186,8 +186,9 @@ def _table(cluster: Cluster, rows: dict, info: dict, num_envs: int) -> Profile:
                                          fixed_seconds=fixed)}
     # channel and call costs are inside the rows: the flow moves obs, actions and trajectories the same way in
     # every plan, so the transfer terms are zero
-    shared = statistics.median(info["shared"]) if info.get("shared") else 0.0
-    latency = LoopLatency(shared=shared, split=info.get("split", shared))
+    # a wait is timed in the env worker, the compute inside the policy worker: at ~0 the difference can dip below 0
+    shared = max(statistics.median(info["shared"]), 0.0) if info.get("shared") else 0.0
+    latency = LoopLatency(shared=shared, split=max(info.get("split", shared), 0.0))
     return Profile(flow="embodied", stages=COMPONENTS, loop=COMPONENTS[:2], loop_latency=latency, batch=num_envs,
                    machine=Machine(kind, cluster.num_devices, int(memory)), components=components,
                    measurements=measurements, transfer=Transfer(),
