@@ -21,7 +21,7 @@ import yaml
 from m2flow import config as C
 from m2flow.config import EmbodiedConfig
 from m2flow.flows.outputs import RunDir, progress
-from m2flow.runtime import Channel, Cluster, wait_all
+from m2flow.runtime import Channel, Cluster, launch_all, wait_all
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import make_plan
 from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
@@ -57,8 +57,9 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
 
     env = EnvWorker.launch(cluster, plan["env"], cfg, run_dir=str(run.path))
     obs_space, action_space = env.on(0).spaces().wait()[0]
-    rollout = PolicyWorker.launch(cluster, plan["rollout"], cfg, obs_space, action_space, run_dir=str(run.path))
-    actor = EmbodiedActorWorker.launch(cluster, plan["actor"], cfg, obs_space, action_space, run_dir=str(run.path))
+    rollout, actor = launch_all(cluster, [(PolicyWorker, plan["rollout"], (cfg, obs_space, action_space)),
+                                          (EmbodiedActorWorker, plan["actor"], (cfg, obs_space, action_space))],
+                                run_dir=str(run.path))
     groups = [env, rollout, actor]
     trajectories = Channel.create(f"{run.path.resolve()}:{time.time_ns()}/trajectories")
     # env worker r asks policy worker r % R for its actions; every actor rank gets every trajectory

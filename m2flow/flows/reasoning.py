@@ -15,7 +15,7 @@ import torch
 from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
 from m2flow.flows.outputs import RunDir, progress
-from m2flow.runtime import Channel, Cluster, wait_all
+from m2flow.runtime import Channel, Cluster, launch_all, wait_all
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import make_plan
 from m2flow.workers.actor import ActorWorker
@@ -48,11 +48,11 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
         plan = make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, batch_samples, cfg.actor.micro_batch)
     plan.save(run.path / "plan.yaml")
 
-    rollout = RolloutWorker.launch(cluster, plan["rollout"], cfg, model_path, run_dir=str(run.path))
-    reward = RewardWorker.launch(cluster, plan["reward"], cfg, run_dir=str(run.path))
-    inference = InferenceWorker.launch(cluster, plan["inference"], cfg, model_path, run_dir=str(run.path))
-    actor = ActorWorker.launch(cluster, plan["actor"], cfg, model_path, run_dir=str(run.path))
-    groups = [rollout, reward, inference, actor]
+    groups = launch_all(cluster, [(RolloutWorker, plan["rollout"], (cfg, model_path)),
+                                  (RewardWorker, plan["reward"], (cfg,)),
+                                  (InferenceWorker, plan["inference"], (cfg, model_path)),
+                                  (ActorWorker, plan["actor"], (cfg, model_path))], run_dir=str(run.path))
+    rollout, reward, inference, actor = groups
     tag = f"{run.path.resolve()}:{time.time_ns()}"
     samples, scored, ready = (Channel.create(f"{tag}/{n}", maxsize=plan.channel_maxsize) for n in ("samples", "scored", "ready"))
 

@@ -25,7 +25,7 @@ from .offload import offload_state, onload_state
 from .placement import ComponentPlacement
 from .tracer import Tracer
 
-__all__ = ["WorkerError", "Worker", "Group", "Handle", "wait_all", "concurrent"]
+__all__ = ["WorkerError", "Worker", "Group", "Handle", "wait_all", "launch_all", "concurrent"]
 
 _DEPTH_LOCK = threading.Lock()
 
@@ -308,6 +308,26 @@ def wait_all(handles: Iterable[Handle], timeout: float | None = None) -> list[li
     return [h._results() for h in handles]
 
 
+def launch_all(cluster: Cluster, specs: Sequence[tuple], run_dir: str | None = None,
+               env: dict[str, str] | None = None) -> list["Group"]:
+    """Launch several groups at once: every process starts, then every constructor runs, concurrently (a flow's
+    start-up costs its slowest group, not the sum). `specs`: (worker_cls, placement, args[, kwargs]) per group.
+    Returns the groups in that order; if any rank fails to start or construct, all are killed and that WorkerError
+    (naming the component and rank) is raised."""
+    groups: list[Group] = []
+    try:
+        for spec in specs:
+            groups.append(Group._start(spec[0], cluster, spec[1], env))
+        handles = [g._construct(cluster, run_dir, tuple(spec[2]), dict(spec[3]) if len(spec) > 3 else {})
+                   for g, spec in zip(groups, specs)]
+        wait_all(handles)
+    except BaseException:
+        for g in groups:
+            g.kill()
+        raise
+    return groups
+
+
 class Group:
     """All ranks of one component. `group.method(*args)` calls it on every rank and returns a Handle;
     `group.on(ranks)` selects ranks; `group.call_per_rank(method, [args_rank0, args_rank1, ...])`."""
@@ -333,6 +353,12 @@ class Group:
                run_dir: str | None = None, env: dict[str, str] | None = None, **kwargs) -> "Group":
         """Start one actor per rank on its devices' node, then build `worker_cls(*args, **kwargs)` in each.
         Raises WorkerError (naming the rank) if a constructor fails; the group is then killed."""
+        return launch_all(cluster, [(worker_cls, placement, args, kwargs)], run_dir=run_dir, env=env)[0]
+
+    @classmethod
+    def _start(cls, worker_cls: type, cluster: Cluster, placement: ComponentPlacement,
+               env: dict[str, str] | None) -> "Group":
+        """Ask Ray for one process per rank on its devices' node (returns at once; nothing is constructed yet)."""
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"Group.launch: worker_cls must be a Worker subclass, got {worker_cls!r}")
         if not isinstance(placement, ComponentPlacement):
@@ -359,23 +385,24 @@ class Group:
                                         max_restarts=0, name=None)
                           .remote(proc_env, cores, devs[0].kind == "cpu"))
         group = cls(worker_cls, placement, actors, {})
-        try:
-            for rank, actor in enumerate(actors):
-                try:
-                    group._where[rank] = ray.get(actor.where.remote())
-                except ray.exceptions.RayError as e:
-                    raise WorkerError(name, rank, f"process failed to start: {e}") from None
-            master = dict(MASTER_ADDR=group._where[0]["node_ip"], MASTER_PORT=str(group._where[0]["port"]))
-            refs = []
-            for rank, (actor, devs) in enumerate(zip(actors, ranks)):
-                attrs = dict(component=name, rank=rank, world_size=len(ranks), devices=devs, run_dir=run_dir,
-                             _m2flow_locks=[cluster.device_lock(d.index) for d in sorted(devs, key=lambda d: d.index)])
-                refs.append(actor.construct.remote(worker_cls, attrs, master, args, kwargs))
-            Handle(group, "__init__", group.ranks, refs).wait()
-        except BaseException:
-            group.kill()
-            raise
+        group._ranks_devices = ranks
         return group
+
+    def _construct(self, cluster: Cluster, run_dir: str | None, args, kwargs) -> Handle:
+        """Wait for the processes to be up, then build the Worker in each (returns the constructors' handle)."""
+        name, ranks = self.component, self._ranks_devices
+        for rank, actor in enumerate(self._actors):
+            try:
+                self._where[rank] = ray.get(actor.where.remote())
+            except ray.exceptions.RayError as e:
+                raise WorkerError(name, rank, f"process failed to start: {e}") from None
+        master = dict(MASTER_ADDR=self._where[0]["node_ip"], MASTER_PORT=str(self._where[0]["port"]))
+        refs = []
+        for rank, (actor, devs) in enumerate(zip(self._actors, ranks)):
+            attrs = dict(component=name, rank=rank, world_size=len(ranks), devices=devs, run_dir=run_dir,
+                         _m2flow_locks=[cluster.device_lock(d.index) for d in sorted(devs, key=lambda d: d.index)])
+            refs.append(actor.construct.remote(self.worker_cls, attrs, master, args, kwargs))
+        return Handle(self, "__init__", self.ranks, refs)
 
     def __getattr__(self, name: str):
         if name.startswith("_"):

@@ -8,7 +8,16 @@ import time
 import pytest
 import torch
 
-from m2flow.runtime import ComponentPlacement, Group, Worker, WorkerError, concurrent, parse_placement, wait_all
+from m2flow.runtime import (
+    ComponentPlacement,
+    Group,
+    Worker,
+    WorkerError,
+    concurrent,
+    launch_all,
+    parse_placement,
+    wait_all,
+)
 
 
 class Calc(Worker):
@@ -164,6 +173,20 @@ def test_gloo_all_reduce_across_two_ranks(calc):
 def test_constructor_error_fails_launch(cluster):
     with pytest.raises(WorkerError, match="bad rank 0: __init__\\(\\) raised RuntimeError: cannot start on rank 0"):
         Group.launch(BadInit, cluster, ComponentPlacement("bad", ((1,),)))
+
+
+def test_launch_all_builds_groups_together_and_names_a_failing_rank(cluster):
+    a, b = launch_all(cluster, [(Calc, ComponentPlacement("a", ((0,),)), (10,)),
+                                (Calc, ComponentPlacement("b", ((0,), (1,))), (), {"base": 20})])
+    try:
+        assert a.add(1).wait() == [11] and b.add(1).wait() == [21, 22]
+        assert b.init_seen().wait()[1] == ("b", 1, 2, [1])
+    finally:
+        a.kill()
+        b.kill()
+    with pytest.raises(WorkerError, match="bad rank 0: __init__\\(\\) raised RuntimeError"):
+        launch_all(cluster, [(Calc, ComponentPlacement("ok", ((0,),)), (1,)),
+                             (BadInit, ComponentPlacement("bad", ((1,),)), ())])
 
 
 def test_sigkill_surfaces_as_worker_error_and_wait_all_fails_fast(cluster):
