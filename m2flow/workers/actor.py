@@ -55,8 +55,9 @@ class ActorWorker(Worker):
             raise ValueError(f"actor.backend=torch trains on one rank, but the placement gives the actor "
                              f"{self.world_size} ranks; set actor.backend=fsdp2 to shard it over them")
         if self.sharded:  # every rank holds 1/world of the parameters, gradients and optimizer state
-            self.init_process_group()
-            shard_model(self.model, "cuda" if self._device_kind == "gpu" else "cpu")
+            where = next(self.model.parameters()).device.type  # the model is loaded on the CPU (for now, on GPUs too)
+            self.init_process_group("nccl" if where == "cuda" else "gloo")
+            shard_model(self.model, where)
         self.key = self.rank if self.world_size > 1 else None  # data-parallel ranks read their own share
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
         total = cfg.run.steps * a.mini_batches * a.epochs
