@@ -324,8 +324,14 @@ def test_producer_exit_small_items_survive_large_may_be_lost(shared, key, helper
     victim = helpers[2]
     ray.get(victim.run.remote(lambda ch, k: ch.put_many(["small", torch.zeros(INLINE_MAX)], key=k), shared, key))
     ray.kill(victim)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(victim.run.remote(len, ""), timeout=30)  # it is gone
+    deadline = time.monotonic() + 30
+    while True:  # ray.kill is asynchronous: a call right after it may still be answered
+        try:
+            ray.get(victim.run.remote(len, ""), timeout=30)
+        except ray.exceptions.RayActorError:
+            break  # it is gone
+        assert time.monotonic() < deadline, "the killed producer still answers after 30 s"
+        time.sleep(0.1)
     time.sleep(1.0)
     assert shared.get(key=key, timeout=10) == "small"  # inline: the channel's actor holds it
     try:  # object store: owned by the producer; Ray frees a dead owner's objects, but not at once
