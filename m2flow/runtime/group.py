@@ -384,13 +384,11 @@ class Group:
             actors.append(_Host.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                                         max_restarts=0, name=None)
                           .remote(proc_env, cores, devs[0].kind == "cpu"))
-        group = cls(worker_cls, placement, actors, {})
-        group._ranks_devices = ranks
-        return group
+        return cls(worker_cls, placement, actors, {})
 
     def _construct(self, cluster: Cluster, run_dir: str | None, args, kwargs) -> Handle:
         """Wait for the processes to be up, then build the Worker in each (returns the constructors' handle)."""
-        name, ranks = self.component, self._ranks_devices
+        name, ranks = self.component, [[cluster.device(i) for i in devs] for devs in self.placement.rank_devices]
         for rank, actor in enumerate(self._actors):
             try:
                 self._where[rank] = ray.get(actor.where.remote())
