@@ -1,6 +1,11 @@
 """Workers and groups: one Ray actor per rank, bound to its devices by environment; a group call runs a method on
 every rank and returns a Handle, whose errors name the component, the rank and the remote traceback.
 
+A group can also be co-hosted (`host_with=`): its ranks live in another group's processes, rank r beside that
+group's rank r on the same devices. A call from a worker to a co-hosted worker in its own process is then a plain
+function call in the caller's thread (no Ray hop; arguments are passed by reference, not copied); every other call
+goes through Ray as usual. Co-hosted groups share their processes' fate: killing one kills both.
+
 It does not choose placements (`placement.py`) and moves no data between groups (`channel.py`).
 """
 
@@ -13,6 +18,7 @@ import tempfile
 import threading
 import time
 import traceback
+import uuid
 from contextlib import contextmanager
 from typing import Iterable, Sequence
 
@@ -28,6 +34,7 @@ from .tracer import Tracer
 __all__ = ["WorkerError", "Worker", "Group", "Handle", "wait_all", "launch_all", "concurrent"]
 
 _DEPTH_LOCK = threading.Lock()
+_HOSTED: dict[tuple[str, int], "Worker"] = {}  # in a worker process: its workers by (group uid, rank)
 
 
 class WorkerError(RuntimeError):
@@ -195,9 +202,16 @@ def _pin_process(cores: Sequence[int]) -> None:
             pass
 
 
+def _register_hosted(uid: str, rank: int, worker: Worker) -> None:
+    """Record a worker built in this process. A module function, not inline in _Host: Ray ships the actor class
+    by value, with its own copy of this module's globals; `_submit` reads the module's real `_HOSTED`."""
+    _HOSTED[(uid, rank)] = worker
+
+
 @ray.remote(num_cpus=0, concurrency_groups={"user": 1, "system": 16})
 class _Host:
-    """The Ray actor of one rank: binds the process to its devices, then hosts the Worker object."""
+    """The Ray actor of one rank: binds the process to its devices, then hosts the Worker objects (one per
+    group placed here: the group that started the process and any co-hosted with it), keyed by group uid."""
 
     def __init__(self, env: dict[str, str], cores: list[int], pin: bool):
         os.environ.update(env)
@@ -206,7 +220,7 @@ class _Host:
         if pin:
             _pin_process(cores)
         torch.set_num_threads(max(len(cores), 1))
-        self.worker = None
+        self.workers: dict[str, Worker] = {}
 
     @ray.method(concurrency_group="system")
     def where(self) -> dict:
@@ -217,39 +231,48 @@ class _Host:
         return dict(pid=os.getpid(), node_ip=ray.util.get_node_ip_address(), port=port)
 
     @ray.method(concurrency_group="user")
-    def construct(self, worker_cls, attrs: dict, env: dict[str, str], args, kwargs) -> tuple:
+    def construct(self, uid: str, worker_cls, attrs: dict, env: dict[str, str], args, kwargs) -> tuple:
         os.environ.update(env)
         worker = worker_cls.__new__(worker_cls)
         worker.__dict__.update(attrs)
         out = _run(worker.__init__, *args, **kwargs)
-        self.worker = worker
+        self.workers[uid] = worker
+        _register_hosted(uid, attrs["rank"], worker)
         return out
 
     @ray.method(concurrency_group="user")
-    def call(self, name: str, args, kwargs) -> tuple:
-        return _run(getattr(self.worker, name), *args, **kwargs)
+    def call(self, uid: str, name: str, args, kwargs) -> tuple:
+        return _run(getattr(self.workers[uid], name), *args, **kwargs)
 
     @ray.method(concurrency_group="system")
-    def call_concurrent(self, name: str, args, kwargs) -> tuple:
-        return _run(getattr(self.worker, name), *args, **kwargs)
+    def call_concurrent(self, uid: str, name: str, args, kwargs) -> tuple:
+        return _run(getattr(self.workers[uid], name), *args, **kwargs)
 
     @ray.method(concurrency_group="system")
-    def spans(self, clear: bool) -> tuple:
-        return _run(lambda: self.worker.tracer.spans(clear) if self.worker else [])
+    def spans(self, uid: str, clear: bool) -> tuple:
+        return _run(lambda: self.workers[uid].tracer.spans(clear) if uid in self.workers else [])
 
 
 class Handle:
     """The pending results of one group call; `wait()` gives them in rank order."""
 
-    def __init__(self, group: "Group", method: str, ranks: list[int], refs: list):
+    def __init__(self, group: "Group", method: str, ranks: list[int], refs: list,
+                 local: dict[int, tuple] | None = None):
+        """refs: one per rank (None where `local` holds the outcome of an in-process call already made)."""
         self.group, self.method, self.ranks, self._refs = group, method, ranks, refs
         self._outcomes: dict[int, tuple] = {}  # position -> ("ok", value, wall) once fetched
         self._error: WorkerError | None = None
         self.wall_times: list[float] = []
+        for pos, out in (local or {}).items():
+            try:
+                self._settle(pos, out)
+            except WorkerError:
+                pass  # kept in self._error: raised by wait(), like a remote failure
 
     def done(self) -> bool:
-        ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0)
-        return len(ready) == len(self._refs)
+        refs = [r for i, r in enumerate(self._refs) if i not in self._outcomes and r is not None]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        return len(ready) == len(refs)
 
     def wait(self, timeout: float | None = None) -> list:
         """Per-rank results in rank order. Raises WorkerError (the first failing rank) or TimeoutError."""
@@ -270,11 +293,17 @@ class Handle:
             error = WorkerError(self.group.component, rank, f"{self.method}() failed in Ray: {type(e).__name__}",
                                 remote_traceback=str(e), exc_type=type(e).__name__)
         else:
-            if out[0] == "ok":
-                self._outcomes[pos] = out
-                return
-            _, exc_type, message, tb, _wall = out
-            error = WorkerError(self.group.component, rank, f"{self.method}() raised {message}", tb, exc_type)
+            return self._settle(pos, out)
+        self._error = self._error or error
+        raise error
+
+    def _settle(self, pos: int, out: tuple) -> None:
+        """Keep one rank's outcome (a `_run` tuple); raise WorkerError if it is an error."""
+        if out[0] == "ok":
+            self._outcomes[pos] = out
+            return
+        _, exc_type, message, tb, _wall = out
+        error = WorkerError(self.group.component, self.ranks[pos], f"{self.method}() raised {message}", tb, exc_type)
         self._error = self._error or error
         raise error
 
@@ -309,15 +338,19 @@ def wait_all(handles: Iterable[Handle], timeout: float | None = None) -> list[li
 
 
 def launch_all(cluster: Cluster, specs: Sequence[tuple], run_dir: str | None = None,
-               env: dict[str, str] | None = None) -> list["Group"]:
+               env: dict[str, str] | None = None, host_with: Sequence["Group | None"] | None = None) -> list["Group"]:
     """Launch several groups at once: every process starts, then every constructor runs, concurrently (a flow's
-    start-up costs its slowest group, not the sum). `specs`: (worker_cls, placement, args[, kwargs]) per group.
-    Returns the groups in that order; if any rank fails to start or construct, all are killed and that WorkerError
-    (naming the component and rank) is raised."""
+    start-up costs its slowest group, not the sum). `specs`: (worker_cls, placement, args[, kwargs]) per group;
+    `host_with[i]`, where given, is a running group whose processes host group i (see the module doc). Returns the
+    groups in that order; if any rank fails to start or construct, all are killed and that WorkerError (naming the
+    component and rank) is raised."""
+    hosts = list(host_with) if host_with is not None else [None] * len(specs)
+    if len(hosts) != len(specs):
+        raise ValueError(f"launch_all: host_with has {len(hosts)} entries for {len(specs)} specs")
     groups: list[Group] = []
     try:
-        for spec in specs:
-            groups.append(Group._start(spec[0], cluster, spec[1], env))
+        for spec, host in zip(specs, hosts):
+            groups.append(Group._start(spec[0], cluster, spec[1], env, host))
         handles = [g._construct(cluster, run_dir, tuple(spec[2]), dict(spec[3]) if len(spec) > 3 else {})
                    for g, spec in zip(groups, specs)]
         wait_all(handles)
@@ -332,9 +365,11 @@ class Group:
     """All ranks of one component. `group.method(*args)` calls it on every rank and returns a Handle;
     `group.on(ranks)` selects ranks; `group.call_per_rank(method, [args_rank0, args_rank1, ...])`."""
 
-    def __init__(self, worker_cls: type, placement: ComponentPlacement, actors: list, where: dict[int, dict]):
+    def __init__(self, worker_cls: type, placement: ComponentPlacement, actors: list, where: dict[int, dict],
+                 uid: str | None = None):
         self.worker_cls, self.placement, self._actors, self._where = worker_cls, placement, actors, where
         self._ranks = list(range(placement.world_size))
+        self._uid = uid or uuid.uuid4().hex  # names this group's workers in their host processes
 
     @property
     def component(self) -> str:
@@ -350,20 +385,30 @@ class Group:
 
     @classmethod
     def launch(cls, worker_cls: type, cluster: Cluster, placement: ComponentPlacement, *args,
-               run_dir: str | None = None, env: dict[str, str] | None = None, **kwargs) -> "Group":
-        """Start one actor per rank on its devices' node, then build `worker_cls(*args, **kwargs)` in each.
-        Raises WorkerError (naming the rank) if a constructor fails; the group is then killed."""
-        return launch_all(cluster, [(worker_cls, placement, args, kwargs)], run_dir=run_dir, env=env)[0]
+               run_dir: str | None = None, env: dict[str, str] | None = None, host_with: "Group | None" = None,
+               **kwargs) -> "Group":
+        """Start one actor per rank on its devices' node (or, with `host_with`, use that group's: see the module
+        doc), then build `worker_cls(*args, **kwargs)` in each. Raises WorkerError (naming the rank) if a
+        constructor fails; the group is then killed."""
+        return launch_all(cluster, [(worker_cls, placement, args, kwargs)], run_dir=run_dir, env=env,
+                          host_with=[host_with])[0]
 
     @classmethod
     def _start(cls, worker_cls: type, cluster: Cluster, placement: ComponentPlacement,
-               env: dict[str, str] | None) -> "Group":
+               env: dict[str, str] | None, host_with: "Group | None" = None) -> "Group":
         """Ask Ray for one process per rank on its devices' node (returns at once; nothing is constructed yet)."""
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"Group.launch: worker_cls must be a Worker subclass, got {worker_cls!r}")
         if not isinstance(placement, ComponentPlacement):
             raise TypeError(f"Group.launch: placement must be a ComponentPlacement (e.g. parse_placement(...)"
                             f"['{getattr(worker_cls, '__name__', '?')}']), got {placement!r}")
+        if host_with is not None:
+            if host_with.placement.rank_devices != placement.rank_devices or len(host_with._ranks) != len(
+                    host_with._actors):
+                raise ValueError(f"Group.launch: {placement.component} (devices per rank "
+                                 f"{placement.rank_devices}) cannot be co-hosted with all of {host_with.component} "
+                                 f"(devices per rank {host_with.placement.rank_devices}): they must match rank by rank")
+            return cls(worker_cls, placement, list(host_with._actors), {})
         ranks = [[cluster.device(i) for i in devs] for devs in placement.rank_devices]
         for rank, devs in enumerate(ranks):
             if len({d.node_id for d in devs}) != 1:
@@ -399,7 +444,7 @@ class Group:
         for rank, (actor, devs) in enumerate(zip(self._actors, ranks)):
             attrs = dict(component=name, rank=rank, world_size=len(ranks), devices=devs, run_dir=run_dir,
                          _m2flow_locks=[cluster.device_lock(d.index) for d in sorted(devs, key=lambda d: d.index)])
-            refs.append(actor.construct.remote(self.worker_cls, attrs, master, args, kwargs))
+            refs.append(actor.construct.remote(self._uid, self.worker_cls, attrs, master, args, kwargs))
         return Handle(self, "__init__", self.ranks, refs)
 
     def __getattr__(self, name: str):
@@ -437,19 +482,24 @@ class Group:
 
     def _submit(self, name: str, calls: list[tuple]) -> Handle:
         parallel = getattr(getattr(self.worker_cls, name), "_m2flow_concurrent", False)
-        refs = []
-        for rank, (args, kwargs) in zip(self._ranks, calls):
+        refs, local = [], {}
+        for pos, (rank, (args, kwargs)) in enumerate(zip(self._ranks, calls)):
+            if (worker := _HOSTED.get((self._uid, rank))) is not None:  # co-hosted in this process: call it here
+                refs.append(None)
+                local[pos] = _run(getattr(worker, name), *args, **kwargs)
+                continue
             actor = self._actors[rank]
-            refs.append((actor.call_concurrent if parallel else actor.call).remote(name, args, kwargs))
-        return Handle(self, name, list(self._ranks), refs)
+            refs.append((actor.call_concurrent if parallel else actor.call).remote(self._uid, name, args, kwargs))
+        return Handle(self, name, list(self._ranks), refs, local)
 
     def spans(self, clear: bool = False) -> list[dict]:
         """Tracer spans recorded so far on the selected ranks (all by default)."""
-        refs = [self._actors[r].spans.remote(clear) for r in self._ranks]
+        refs = [self._actors[r].spans.remote(self._uid, clear) for r in self._ranks]
         return [s for per_rank in Handle(self, "spans", list(self._ranks), refs).wait() for s in per_rank]
 
     def kill(self) -> None:
-        """Kill the selected ranks' processes at once (pending calls fail with WorkerError)."""
+        """Kill the selected ranks' processes at once (pending calls fail with WorkerError; groups co-hosted in
+        them die too)."""
         for rank in self._ranks:
             try:
                 ray.kill(self._actors[rank], no_restart=True)

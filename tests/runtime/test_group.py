@@ -212,3 +212,61 @@ def test_sigkill_surfaces_as_worker_error_and_wait_all_fails_fast(cluster):
         victims.kill()
     with pytest.raises(WorkerError, match="victim rank 0: process died"):
         blocked.wait(timeout=30)
+
+
+class Asker(Worker):
+    """Calls another group from inside a worker: in-process when that group is co-hosted here."""
+
+    def pid(self):
+        return os.getpid()
+
+    def ask(self, other, x):
+        h = other.on(self.rank).add(x)
+        local = h._refs == [None]
+        return h.wait()[0], local
+
+    def ask_failing(self, other):
+        try:
+            other.on(self.rank).fail("boom").wait()
+        except WorkerError as e:
+            return e.component, e.rank, e.message, "ValueError: boom" in (e.remote_traceback or "")
+        return None
+
+    def share(self, other, payload):
+        return other.on(self.rank).identity(payload).wait()[0] is payload
+
+
+class Keeper(Calc):
+    def identity(self, payload):
+        return payload
+
+
+def test_cohosted_group_lives_in_its_hosts_processes_and_is_called_in_process(cluster):
+    place = parse_placement("asker,calc: 0-1", cluster.num_devices, ["asker", "calc"])
+    asker = Asker.launch(cluster, place["asker"])
+    try:
+        calc = Keeper.launch(cluster, place["calc"], 5, host_with=asker)
+        separate = Keeper.launch(cluster, place["calc"], 7)
+        assert calc.init_seen().wait() == [("calc", 0, 2, [0]), ("calc", 1, 2, [1])]
+        assert calc.add(1).wait() == [6, 7]  # from the driver: through Ray, as any group
+        assert [i["pid"] for i in calc.info().wait()] == asker.pid().wait()
+        assert separate.info().wait()[0]["pid"] != asker.pid().wait()[0]
+        # from a host worker: a function call in its process (no ref), same results as through Ray
+        assert asker.ask(calc, 10).wait() == [(15, True), (16, True)]
+        assert asker.ask(separate, 10).wait() == [(17, False), (18, False)]
+        assert asker.share(calc, [1, 2]).wait() == [True, True]  # by reference, not copied
+        assert asker.share(separate, [1, 2]).wait() == [False, False]
+        # an in-process failure names the callee's component and rank, with its traceback
+        assert asker.ask_failing(calc).wait() == [("calc", r, "fail() raised ValueError: boom", True) for r in (0, 1)]
+        calc.traced(3).wait()
+        assert {(s["component"], s["rank"]) for s in calc.spans()} == {("calc", 0), ("calc", 1)}
+        assert asker.spans() == []
+        with pytest.raises(ValueError, match=r"calc \(devices per rank \(\(0,\),\)\) cannot be co-hosted with all "
+                                             r"of asker"):
+            Keeper.launch(cluster, ComponentPlacement("calc", ((0,),)), 1, host_with=asker)
+        separate.kill()
+        asker.kill()  # co-hosted groups share their processes' fate
+        with pytest.raises(WorkerError, match="calc rank 0: process died"):
+            calc.add(1).wait(timeout=30)
+    finally:
+        asker.kill()
