@@ -16,6 +16,9 @@ epoch of each library's update on the same data (interleaved, best of 5), and en
     python benchmarks/ppo_vs_sb3.py --env-ids CartPole-v1
     python benchmarks/ppo_vs_sb3.py --env-ids HalfCheetah-v5 --update-only     # the two quick comparisons
     nohup python benchmarks/ppo_vs_sb3.py --env-ids HalfCheetah-v5 > runs/bench/ppo_vs_sb3_halfcheetah.log 2>&1 &
+    # several seeds, runners side by side (each full run saves runs/bench/full_*.json), then the table:
+    python benchmarks/ppo_vs_sb3.py --env-ids HalfCheetah-v5 --rounds 0 --seed 1 --runners sb3
+    python benchmarks/ppo_vs_sb3.py --summarize
 """
 
 from __future__ import annotations
@@ -77,6 +80,12 @@ def run_sb3(cfg, threshold: float, stop: bool, threads: int) -> dict:
         def __init__(self):
             super().__init__()
             self.recent, self.hit, self.start = deque(maxlen=WINDOW), None, time.perf_counter()
+            self.rollouts, self.warm = 0, None  # (time, env steps) when the second rollout starts
+
+        def _on_rollout_start(self) -> None:
+            self.rollouts += 1
+            if self.rollouts == 2:
+                self.warm = (time.perf_counter(), self.num_timesteps)
 
         def _on_step(self) -> bool:
             for info in self.locals["infos"]:
@@ -93,7 +102,9 @@ def run_sb3(cfg, threshold: float, stop: bool, threads: int) -> dict:
     start = time.perf_counter()
     model.learn(total_timesteps=total, callback=cb)
     wall = time.perf_counter() - start
-    return {"steps": model.num_timesteps, "seconds": wall, "hit": cb.hit,
+    end = time.perf_counter()
+    warm = (model.num_timesteps - cb.warm[1]) / (end - cb.warm[0]) if cb.warm else float("nan")
+    return {"steps": model.num_timesteps, "seconds": wall, "hit": cb.hit, "warm_steps_per_s": warm,
             "final_return": float(np.mean(cb.recent)) if cb.recent else float("nan")}
 
 
@@ -109,8 +120,10 @@ def run_m2flow(cfg, cluster, threshold: float) -> dict:
         elapsed += r["time/iteration"]
         if hit is None and r.get("rollout/return_window", float("-inf")) >= threshold:
             hit = (elapsed, r["env_steps"])
+    warm = (rows[-1]["env_steps"] - rows[0]["env_steps"]) / sum(r["time/iteration"] for r in rows[1:]) \
+        if len(rows) > 1 else float("nan")
     return {"steps": rows[-1]["env_steps"], "seconds": elapsed, "wall_with_startup": wall, "hit": hit,
-            "final_return": rows[-1]["rollout/return_window"]}
+            "warm_steps_per_s": warm, "final_return": rows[-1]["rollout/return_window"]}
 
 
 HYBRID = ["cluster.placement=env: 0; rollout: 1; actor: 0-1:0", "env.pipeline_stages=2"]  # ppo_halfcheetah_hybrid
@@ -118,18 +131,22 @@ HYBRID = ["cluster.placement=env: 0; rollout: 1; actor: 0-1:0", "env.pipeline_st
 
 def throughput(cfg, cluster, iters: int, rounds: int) -> dict[str, float]:
     """Env steps/s during training over `iters` iterations: m2flow as configured, m2flow hybrid (envs on device 0,
-    policy on 1, 2 stages, the actor one process over both devices' cores) and SB3, alternating for `rounds` rounds, best round each:
-    robust to load from other processes drifting over a long run. Worker start-up is not counted."""
-    best = {"m2flow": 0.0, "m2flow hybrid": 0.0, "SB3": 0.0}
+    policy on 1, 2 stages, the actor one process over both devices' cores) and SB3 on one and on two threads,
+    alternating for `rounds` rounds, best round each: robust to load from other processes drifting over a long run.
+    Worker start-up is not counted, nor the first iteration of either (a warm-up: m2flow's compiles its loss
+    there)."""
+    best = {"m2flow": 0.0, "m2flow hybrid": 0.0, "SB3 1 thread": 0.0, "SB3 2 threads": 0.0}
     for r in range(rounds):
         base = [f"run.steps={iters}", "run.stop_return=null", "run.trace=false", "eval.episodes=0"]
         for name, extra in (("m2flow", []), ("m2flow hybrid", HYBRID)):
             tag = "_hybrid" if extra else ""
             c = C.load(C.EmbodiedConfig, C.to_dict(cfg), base + extra + [f"run.name={cfg.run.name}{tag}_tp{r}"])
             out = run_m2flow(c, cluster, float("inf"))
-            best[name] = max(best[name], out["steps"] / out["seconds"])
-        out = run_sb3(C.load(C.EmbodiedConfig, C.to_dict(cfg), base), float("inf"), False, 1)
-        best["SB3"] = max(best["SB3"], out["steps"] / out["seconds"])
+            best[name] = max(best[name], out["warm_steps_per_s"])
+        for threads in (1, 2):
+            out = run_sb3(C.load(C.EmbodiedConfig, C.to_dict(cfg), base), float("inf"), False, threads)
+            key = f"SB3 {threads} thread{'s' if threads > 1 else ''}"
+            best[key] = max(best[key], out["warm_steps_per_s"])
     return best
 
 
@@ -170,9 +187,10 @@ def update_cost(cfg, repeats: int = 5) -> tuple[float, float]:
                 traj.values[t], traj.logprobs[t])
     buf.compute_returns_and_advantage(torch.zeros(N), np.zeros(N))
     ours, theirs = [], []
-    for _ in range(repeats):
+    ppo_update(actor.policy, actor.optimizer, traj, adv, ret, mask, cfg1, 1.0, actor.gen, loss_fn=actor.loss_fn)
+    for _ in range(repeats):  # after a warm-up epoch (it compiles the loss where actor.compile)
         start = time.perf_counter()
-        ppo_update(actor.policy, actor.optimizer, traj, adv, ret, mask, cfg1, 1.0, actor.gen)
+        ppo_update(actor.policy, actor.optimizer, traj, adv, ret, mask, cfg1, 1.0, actor.gen, loss_fn=actor.loss_fn)
         ours.append(time.perf_counter() - start)
         start = time.perf_counter()
         model.train()
@@ -200,16 +218,22 @@ def main() -> None:
     p.add_argument("--update-only", action="store_true", help="skip the full runs (update cost and throughput only)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved throughput rounds (0: none)")
     p.add_argument("--iters", type=int, default=6, help="iterations per throughput round")
+    p.add_argument("--seed", type=int, default=None, help="run.seed for both runners (default: the preset's)")
+    p.add_argument("--runners", nargs="+", choices=["m2flow", "sb3"], default=["m2flow", "sb3"],
+                   help="full runs to do (one per process lets seeds and runners go side by side)")
+    p.add_argument("--summarize", action="store_true", help="only print the table of the full runs saved in --out")
     args = p.parse_args()
+    if args.summarize:
+        return summarize(Path(args.out))
 
     from m2flow.runtime import Cluster
 
     cluster = Cluster(cpu_devices=2)
-    lines = []
     for env_id in args.env_ids:
         preset, threshold = PRESETS[env_id]
-        over = [f"run.dir={args.out}", f"run.name=vs_sb3_{env_id}", "run.progress=false", "eval.episodes=0",
-                "run.save_every=0", "run.stop_return=null"]
+        tag = "" if args.seed is None else f"_seed{args.seed}"
+        over = [f"run.dir={args.out}", f"run.name=vs_sb3_{env_id}{tag}", "run.progress=false", "eval.episodes=0",
+                "run.save_every=0", "run.stop_return=null"] + ([] if args.seed is None else [f"run.seed={args.seed}"])
         if env_id == "CartPole-v1" and args.cartpole == "sb3":
             over += SB3_DEFAULTS + ["run.steps=49"]  # 49 x 8 x 256 = 100k env steps
         cfg = C.load(C.EmbodiedConfig, preset, over)
@@ -234,36 +258,49 @@ def main() -> None:
               f"({upd_sb3 / upd_ours:.2f}x)", flush=True)
         if args.rounds:
             tp = throughput(cfg, cluster, args.iters, args.rounds)
+            sb3 = max(tp["SB3 1 thread"], tp["SB3 2 threads"])
             print(f"   env steps/s during training, {args.iters} iterations, best of {args.rounds} interleaved rounds: "
-                  + ", ".join(f"{k} {v:,.0f} ({v / tp['SB3']:.2f}x)" for k, v in tp.items()), flush=True)
+                  + ", ".join(f"{k} {v:,.0f} ({v / sb3:.2f}x)" for k, v in tp.items())
+                  + " (ratios against SB3's faster setting)", flush=True)
         if args.update_only:
             continue
-        ours = run_m2flow(cfg, cluster, threshold)
-        print(f"   m2flow done: {ours}", flush=True)
-        theirs = run_sb3(cfg, threshold, stop, args.sb3_threads)
-        print(f"   sb3 done: {theirs}", flush=True)
-        lines.append((env_id, cfg, limit, ours, theirs, threshold))
+        for runner in args.runners:
+            out = run_m2flow(cfg, cluster, threshold) if runner == "m2flow" else \
+                run_sb3(cfg, threshold, stop, args.sb3_threads)
+            out.update(env_id=env_id, runner=runner, seed=cfg.run.seed, limit=limit,
+                       load=os.getloadavg()[0])
+            print(f"   {runner} done: {out}", flush=True)
+            Path(args.out, f"full_{env_id}_{runner}_seed{cfg.run.seed}.json").write_text(json.dumps(out))
+    cluster.shutdown()
+    if not args.update_only:
+        summarize(Path(args.out))
 
-    if args.update_only:
-        cluster.shutdown()
-        return
-    print("\n| env | runner | env steps | train s | env steps/s | vs SB3 | time to threshold | steps to threshold | "
+
+def summarize(out: Path) -> None:
+    """The table of every full run saved under `out` (one row per env, runner and seed; a mean row per runner)."""
+    runs = sorted((json.loads(p.read_text()) for p in out.glob("full_*.json")),
+                  key=lambda r: (r["env_id"], r["runner"] != "m2flow", r["seed"]))
+    print("\n| env | runner | seed | env steps | train s | env steps/s | time to threshold | steps to threshold | "
           "final return |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for env_id, cfg, limit, ours, theirs, threshold in lines:
-        for name, r in (("m2flow", ours), ("SB3", theirs)):
-            rate = r["steps"] / r["seconds"]
-            ratio = rate / (theirs["steps"] / theirs["seconds"])
-            hit_s = f"{r['hit'][0]:.0f} s" if r["hit"] else "not reached"
-            hit_n = f"{r['hit'][1]:,}" if r["hit"] else "-"
-            print(f"| {env_id} | {name} | {r['steps']:,} | {r['seconds']:.0f} | {rate:,.0f} | {ratio:.2f}x | "
-                  f"{hit_s} | {hit_n} | {r['final_return']:.1f} |")
-        print(f"| {env_id} | simulator limit (SyncVectorEnv, {cfg.env.num_envs} envs, random actions) | | | "
-              f"{limit:,.0f} | | | | |")
+    for env_id in sorted({r["env_id"] for r in runs}):
+        for runner in ("m2flow", "sb3"):
+            mine = [r for r in runs if r["env_id"] == env_id and r["runner"] == runner]
+            for r in mine:
+                hit_s = f"{r['hit'][0]:.0f} s" if r["hit"] else "not reached"
+                hit_n = f"{r['hit'][1]:,}" if r["hit"] else "-"
+                print(f"| {env_id} | {runner} | {r['seed']} | {r['steps']:,} | {r['seconds']:.0f} | "
+                      f"{r['steps'] / r['seconds']:,.0f} | {hit_s} | {hit_n} | {r['final_return']:.1f} |")
+            if len(mine) > 1:
+                returns = [r["final_return"] for r in mine]
+                print(f"| {env_id} | {runner} | mean of {len(mine)} | | | | | | {np.mean(returns):.1f} "
+                      f"(min {min(returns):.1f}) |")
+        limit = next(r["limit"] for r in runs if r["env_id"] == env_id)
+        print(f"| {env_id} | simulator limit (SyncVectorEnv, random actions) | | | | {limit:,.0f} | | | |")
     print(f"\nthreshold: CartPole 475, HalfCheetah 1400 (mean raw return of the last {WINDOW} training episodes); "
-          "train s excludes m2flow's worker start-up and SB3's model construction. "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}.")
-    cluster.shutdown()
+          "train s excludes m2flow's worker start-up and SB3's model construction; runs side by side share the "
+          f"cores, so their env steps/s is not the throughput comparison (that is the interleaved one). "
+          f"{os.cpu_count()} cores.")
 
 
 if __name__ == "__main__":

@@ -441,6 +441,9 @@ class PolicyConfig:
 class EmbodiedRolloutConfig:
     steps: int = opt(128, "policy steps per env per iteration (SB3's n_steps)")
     deterministic: bool = opt(False, "act with the distribution's mode instead of sampling (for tests)")
+    cohost: bool = opt(True, "lockstep (env.pipeline_stages 1) with env and policy workers on the same devices: run "
+                             "each policy worker inside its env worker's process, so a step's hand-over is a "
+                             "function call instead of a Ray call")
 
     def validate(self, where: str) -> None:
         if self.steps < 1:
@@ -478,6 +481,7 @@ class EmbodiedActorConfig:
     epochs: int = opt(10, "passes over each rollout")
     minibatch_size: int = opt(64, "samples per gradient step (SB3's batch_size)")
     grad_clip: float = opt(0.5, "max gradient norm")
+    compile: bool = opt(False, "torch.compile the minibatch loss (forward + backward): faster small-MLP updates")
 
     def validate(self, where: str) -> None:
         if self.epochs < 1 or self.minibatch_size < 1 or self.lr <= 0:

@@ -21,6 +21,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     ratio r = exp(logprobs - old_logprobs); per token
         loss_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
     clip_high=None means clip_high = clip_low; clip_high > clip_low is DAPO's "clip-higher".
+    The clips may be 0-d tensors (a compiled caller's annealed clip: one graph for every value), then unchecked.
     dual_clip=c (> 1): for A < 0 the loss is also capped at -A c (so a huge ratio on a bad token
     cannot blow up the step). ratio_level="sequence" is GSPO: every token of response b uses
     s_b = exp(mean over its valid tokens of (logprobs - old_logprobs)) as its ratio value, with the
@@ -40,7 +41,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}")
     clip_high = clip_low if clip_high is None else clip_high
-    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
+    tensors = isinstance(clip_low, torch.Tensor) or isinstance(clip_high, torch.Tensor)  # the caller checked them
+    if not tensors and not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")

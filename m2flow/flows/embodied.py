@@ -53,13 +53,16 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
         stages = cfg.env.pipeline_stages
         plan = make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, cfg.env.num_envs,
                          -(-cfg.env.num_envs // stages))
-    (run.path / "plan.yaml").write_text(yaml.safe_dump({**plan.to_dict(), "pipeline_stages": stages}, sort_keys=False))
+    # lockstep on shared devices: no overlap to gain from separate processes, only the hand-overs' Ray hops to save
+    cohost = cfg.rollout.cohost and stages == 1 and plan["rollout"].rank_devices == plan["env"].rank_devices
+    (run.path / "plan.yaml").write_text(yaml.safe_dump({**plan.to_dict(), "pipeline_stages": stages,
+                                                        "rollout_in_env_process": cohost}, sort_keys=False))
 
     env = EnvWorker.launch(cluster, plan["env"], cfg, run_dir=str(run.path))
     obs_space, action_space = env.on(0).spaces().wait()[0]
     rollout, actor = launch_all(cluster, [(PolicyWorker, plan["rollout"], (cfg, obs_space, action_space)),
                                           (EmbodiedActorWorker, plan["actor"], (cfg, obs_space, action_space))],
-                                run_dir=str(run.path))
+                                run_dir=str(run.path), host_with=[env if cohost else None, None])
     groups = [env, rollout, actor]
     trajectories = Channel.create(f"{run.path.resolve()}:{time.time_ns()}/trajectories")
     # env worker r asks policy worker r % R for its actions; every actor rank gets every trajectory

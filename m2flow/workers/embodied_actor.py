@@ -8,6 +8,7 @@ the same weights. `actor: 0-1:0` (one process over both devices' cores) avoids t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -35,56 +36,78 @@ def advantages(traj: Trajectory, cfg, scores: torch.Tensor | None = None) -> tup
     return embodied_grpo_advantages(scores, mask, cfg.env.seed_groups), returns, mask
 
 
+def minibatch_loss(policy, obs, actions, old_logp, old_v, adv, returns, clip: torch.Tensor, alg):
+    """The PPO loss of one minibatch (shapes [B, ...]) -> (clipped surrogate + vf_coef * MSE - ent_coef * entropy,
+    [pg_loss, vf_loss (MSE), entropy, approx_kl, clipfrac]). Advantages are normalized here when alg.norm_adv
+    (ppo_update normalizes over the whole minibatch itself before splitting it between ranks). `clip` is a 0-d
+    tensor, so a compiled copy keeps one graph while the clip range anneals."""
+    if alg.norm_adv and len(adv) > 1:
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    logp, entropy, values = policy.evaluate(obs, actions)
+    pg, m = policy_loss(logp[:, None], old_logp[:, None], adv[:, None], None, clip_low=clip)
+    vf, _ = value_loss(values, old_v, returns, clip=alg.clip_vf)
+    ent = entropy.mean()
+    loss = pg + alg.vf_coef * 2.0 * vf - alg.ent_coef * ent  # value_loss is 0.5 * MSE
+    return loss, torch.stack([pg.detach(), 2 * vf.detach(), ent.detach(), m["approx_kl"], m["clipfrac"]])
+
+
+STATS = ("actor/pg_loss", "actor/vf_loss", "actor/entropy", "actor/approx_kl", "actor/clipfrac")
+
+
 def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, frac: float, gen: torch.Generator,
-               rank: int = 0, world: int = 1, allreduce=None) -> dict:
-    """Epochs x minibatches of the clipped PPO loss (+ vf_coef * MSE - ent_coef * entropy) over the flattened
-    [T, N] steps where mask. frac in (0, 1]: the share of the run left (LR and clip annealing). Returns metrics."""
+               rank: int = 0, world: int = 1, allreduce=None, loss_fn=minibatch_loss) -> dict:
+    """Epochs x minibatches of `loss_fn` (minibatch_loss, or a compiled copy of it) over the flattened [T, N] steps
+    where mask. frac in (0, 1]: the share of the run left (LR and clip annealing). Each epoch gathers the data
+    once in a seeded order and takes minibatches as slices; with `world` ranks each takes every world-th sample of
+    a minibatch and `allreduce` averages the gradients. Returns metrics."""
     a, alg = cfg.actor, cfg.algorithm
     keep = mask.reshape(-1)
     flat = lambda x: x.reshape(-1, *x.shape[2:])[keep]  # noqa: E731
-    obs, actions, old_logp, old_v = flat(traj.obs), flat(traj.actions), flat(traj.logprobs), flat(traj.values)
-    adv, returns = flat(adv), flat(returns)
+    data = [flat(x) for x in (traj.obs, traj.actions, traj.logprobs, traj.values, adv, returns)]
+    old_v, returns = data[3], data[5]
     for group in optimizer.param_groups:
         group["lr"] = a.lr * (frac if a.anneal_lr else 1.0)
-    clip = alg.clip * (frac if alg.anneal_clip else 1.0)
-    clip = max(clip, 1e-8)
-    size = len(adv)
+    clip = max(alg.clip * (frac if alg.anneal_clip else 1.0), 1e-8)
+    clip_t = torch.tensor(clip)  # a tensor: a compiled loss_fn keeps one graph while the clip anneals
+    mb_alg = alg if world == 1 else _no_norm(alg)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    size = len(returns)
     stats, grad_norms, stop = [], [], False
     for _ in range(a.epochs):
         order = torch.randperm(size, generator=gen)
+        shuffled = [x[order] for x in data]
         for lo in range(0, size, a.minibatch_size):
-            mb = order[lo:lo + a.minibatch_size]
-            mb_adv = adv[mb]
-            if alg.norm_adv and len(mb) > 1:
-                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-            mine = mb[rank::world] if world > 1 else mb  # this rank's share of the minibatch
-            mine_adv = mb_adv[rank::world] if world > 1 else mb_adv
-            logp, entropy, values = policy.evaluate(obs[mine], actions[mine])
-            pg, m = policy_loss(logp[:, None], old_logp[mine][:, None], mine_adv[:, None], None, clip_low=clip)
-            vf, vm = value_loss(values, old_v[mine], returns[mine], clip=alg.clip_vf)
-            ent = entropy.mean()
-            loss = pg + alg.vf_coef * 2.0 * vf - alg.ent_coef * ent  # value_loss is 0.5 * MSE
+            mb = [x[lo:lo + a.minibatch_size] for x in shuffled]
+            if world > 1:  # normalize advantages over the whole minibatch, then take this rank's share
+                if alg.norm_adv and len(mb[4]) > 1:
+                    mb[4] = (mb[4] - mb[4].mean()) / (mb[4].std() + 1e-8)
+                mb = [x[rank::world] for x in mb]
+            loss, s = loss_fn(policy, *mb, clip_t, mb_alg)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if allreduce is not None:
                 allreduce(policy)
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), a.grad_clip)))
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(params, a.grad_clip))
             optimizer.step()
-            stats.append({"actor/pg_loss": float(pg.detach()), "actor/vf_loss": float(2 * vf.detach()),
-                          "actor/entropy": float(ent.detach()), "actor/approx_kl": float(m["approx_kl"]),
-                          "actor/clipfrac": float(m["clipfrac"])})
-            if alg.target_kl is not None and float(m["approx_kl"]) > 1.5 * alg.target_kl:
+            stats.append(s)
+            if alg.target_kl is not None and float(s[3]) > 1.5 * alg.target_kl:
                 stop = True
                 break
         if stop:
             break
-    out = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+    means = torch.stack(stats).mean(0).tolist()
+    out = dict(zip(STATS, means))
     var = returns.var()
     out.update({"actor/explained_var": float(1 - (returns - old_v).var() / var) if var > 0 else 0.0,
-                "actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": optimizer.param_groups[0]["lr"],
+                "actor/grad_norm": float(torch.stack(grad_norms).mean()), "actor/lr": optimizer.param_groups[0]["lr"],
                 "actor/clip": clip, "actor/updates": len(stats), "actor/early_stop": float(stop),
-                "actor/advantage_mean": float(adv.mean())})
+                "actor/advantage_mean": float(data[4].mean())})
     return out
+
+
+def _no_norm(alg):
+    """alg with norm_adv off (the advantages were already normalized over the whole minibatch)."""
+    return dataclasses.replace(alg, norm_adv=False)
 
 
 def allreduce_grads(policy) -> None:
@@ -109,6 +132,9 @@ class EmbodiedActorWorker(Worker):
         # fused Adam: one kernel per step instead of ~13 small ops per tensor (15% of a small MLP's update on CPU)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.actor.lr, eps=cfg.actor.adam_eps, fused=True)
         self.gen = torch.Generator().manual_seed(cfg.run.seed + 12345)  # minibatch order, same on every rank
+        # compiled: forward and backward fused by inductor, ~25% less time per minibatch on CPU after ~20 s of
+        # compiling on the first update (cached under /tmp/torchinductor_* for later runs)
+        self.loss_fn = torch.compile(minibatch_loss) if cfg.actor.compile else minibatch_loss
         self.version = 0
         if self.world_size > 1:
             self.init_process_group()
@@ -125,7 +151,8 @@ class EmbodiedActorWorker(Worker):
             adv, returns, mask = advantages(traj, self.cfg, scores)
             frac = 1.0 - step / max(self.cfg.run.steps, 1)
             out = ppo_update(self.policy, self.optimizer, traj, adv, returns, mask, self.cfg, frac, self.gen,
-                             self.rank, self.world_size, allreduce_grads if self.world_size > 1 else None)
+                             self.rank, self.world_size, allreduce_grads if self.world_size > 1 else None,
+                             self.loss_fn)
             out["time/update"] = time.perf_counter() - start
         if scores is not None:
             out["grpo/score_mean"] = float(scores.mean())

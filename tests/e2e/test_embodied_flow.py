@@ -8,6 +8,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+import yaml
 from gymnasium import spaces
 
 from m2flow import config as C
@@ -79,6 +80,8 @@ def test_hybrid_pipelined_run_matches_lockstep_and_its_trace_shows_overlap(clust
     hybrid = train(cfg_for(tmp_path, "hybrid", cluster={"placement": "env: 0; rollout: 1; actor: 0-1"},
                            env={"pipeline_stages": 2}), cluster)
     assert hybrid["plan"]["mode"] == "hybrid" and hybrid["plan"]["placement"]["actor"] == [[0], [1]]
+    in_env = [yaml.safe_load(open(f"{r['run_dir']}/plan.yaml"))["rollout_in_env_process"] for r in (lockstep, hybrid)]
+    assert in_env == [True, False]  # lockstep on one device: the policy worker lives in the env worker's process
     for a, b in zip(rows(lockstep), rows(hybrid)):
         assert a["rollout/episodes"] == b["rollout/episodes"] and a["rollout/return"] == b["rollout/return"]
         assert a["actor/vf_loss"] == pytest.approx(b["actor/vf_loss"], rel=1e-4)
@@ -94,16 +97,19 @@ def test_hybrid_pipelined_run_matches_lockstep_and_its_trace_shows_overlap(clust
 
 
 def test_real_workers_lockstep_pipelined_and_two_env_workers_give_identical_trajectories(cluster, tmp_path):
-    """Deterministic policy, truncations (a time limit of 9) and terminations: lockstep on one device, 2 stages over
-    two devices, two env workers."""
-    runs = [("env,rollout: 0", 1), ("env: 0; rollout: 1", 2), ("env: 0-1; rollout: 0", 2)]
+    """Deterministic policy, truncations (a time limit of 9) and terminations: lockstep on one device (policy in
+    its own process, then co-hosted in the env worker's), 2 stages over two devices, two env workers."""
+    runs = [("env,rollout: 0", 1, False), ("env,rollout: 0", 1, True), ("env: 0; rollout: 1", 2, False),
+            ("env: 0-1; rollout: 0", 2, False)]
     trajectories = []
-    for spec, stages in runs:
+    for spec, stages, cohost in runs:
         cfg = cfg_for(tmp_path, "t", env={"pipeline_stages": stages, "max_episode_steps": 9},
                       rollout={"deterministic": True})
         plan = parse_placement(spec, cluster.num_devices)
         env = EnvWorker.launch(cluster, plan["env"], cfg)
-        policy = PolicyWorker.launch(cluster, plan["rollout"], cfg, *env.on(0).spaces().wait()[0])
+        policy = PolicyWorker.launch(cluster, plan["rollout"], cfg, *env.on(0).spaces().wait()[0],
+                                     host_with=env if cohost else None)
+        assert (policy.info().wait()[0]["pid"] == env.info().wait()[0]["pid"]) == cohost
         out = Channel.create(f"embodied-test-{spec}")
         try:
             per_step = []
