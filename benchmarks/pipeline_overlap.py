@@ -26,9 +26,11 @@ from m2flow.runtime import Channel, Cluster, parse_placement, plot_timeline, wai
 from m2flow.workers.env import EnvWorker, make_env_group
 from m2flow.workers.policy import PolicyWorker, make_policy
 
-ROWS = [("lockstep, collocated", "env,rollout: 0", 1), ("2 stages, collocated", "env,rollout: 0", 2),
-        ("lockstep, env and policy on 2 devices", "env: 0; rollout: 1", 1),
-        ("2 stages, env and policy on 2 devices", "env: 0; rollout: 1", 2)]
+ROWS = [("lockstep, collocated", "env,rollout: 0", 1, False),
+        ("lockstep, collocated, policy in the env's process", "env,rollout: 0", 1, True),  # the flow's choice
+        ("2 stages, collocated", "env,rollout: 0", 2, False),
+        ("lockstep, env and policy on 2 devices", "env: 0; rollout: 1", 1, False),
+        ("2 stages, env and policy on 2 devices", "env: 0; rollout: 1", 2, False)]
 
 
 def make_cfg(env_id: str, num_envs: int, width: int, stages: int = 1):
@@ -67,11 +69,12 @@ def calibrate(env_id: str, num_envs: int, stages: int, widths: list[int]) -> tup
     return width, env_s, policy_s
 
 
-def launch(cluster, env_id, num_envs, width, spec, stages):
+def launch(cluster, env_id, num_envs, width, spec, stages, cohost):
     cfg = make_cfg(env_id, num_envs, width, stages)
     plan = parse_placement(spec, cluster.num_devices)
     env = EnvWorker.launch(cluster, plan["env"], cfg)
-    policy = PolicyWorker.launch(cluster, plan["rollout"], cfg, *env.spaces().wait()[0])
+    policy = PolicyWorker.launch(cluster, plan["rollout"], cfg, *env.spaces().wait()[0],
+                                 host_with=env if cohost else None)
     return env, policy
 
 
@@ -102,8 +105,8 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     cluster = Cluster(cpu_devices=2)
     out = Channel.create(f"pipeline-overlap-{time.time_ns()}")
-    rows = [(name, spec, stages, *launch(cluster, args.env_id, args.num_envs, width, spec, stages))
-            for name, spec, stages in ROWS]
+    rows = [(name, spec, stages, *launch(cluster, args.env_id, args.num_envs, width, spec, stages, cohost))
+            for name, spec, stages, cohost in ROWS]
     best: list[dict | None] = [None] * len(rows)
     for _, _, _, env, policy in rows:
         rollout(env, policy, out, 8, 0)  # warm-up

@@ -422,3 +422,27 @@ def test_config_errors_are_clear():
         make_cfg(env={"num_env": 4})
     with pytest.raises(ValueError, match="pipeline_stages=7 exceeds the envs per env worker"):
         EnvWorker(make_cfg(env={"pipeline_stages": 7}))
+
+
+def test_gradients_accumulate_into_one_flat_buffer_and_clip_like_torch():
+    """flat_grads: backward writes into the buffer's views; the update's clipping equals clip_grad_norm_."""
+    from m2flow.workers.embodied_actor import flat_grads
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    ref = [p.detach().clone().requires_grad_() for p in net.parameters()]
+    x = torch.randn(11, 5)
+    buf = flat_grads(list(net.parameters()))
+    net(x).pow(2).sum().backward()
+    names = [n for n, _ in net.named_parameters()]
+    torch.func.functional_call(net, dict(zip(names, ref)), (x,)).pow(2).sum().backward()
+    assert buf.abs().sum() > 0
+    for p, r in zip(net.parameters(), ref):
+        assert p.grad.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # a view of the buffer
+        torch.testing.assert_close(p.grad, r.grad)
+    norm = torch.linalg.vector_norm(buf)
+    buf.mul_((0.1 / (norm + 1e-6)).clamp(max=1.0))
+    expected = torch.nn.utils.clip_grad_norm_(ref, 0.1)
+    torch.testing.assert_close(norm, expected)
+    for p, r in zip(net.parameters(), ref):
+        torch.testing.assert_close(p.grad, r.grad)
