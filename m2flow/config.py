@@ -481,7 +481,8 @@ class EmbodiedActorConfig:
     epochs: int = opt(10, "passes over each rollout")
     minibatch_size: int = opt(64, "samples per gradient step (SB3's batch_size)")
     grad_clip: float = opt(0.5, "max gradient norm")
-    compile: bool = opt(False, "torch.compile the minibatch loss (forward + backward): faster small-MLP updates")
+    compile: bool = opt(False, "torch.compile the minibatch loss (forward + backward): faster small-MLP updates "
+                                  "after ~10 s of compiling (inductor needs a C++ compiler)")
 
     def validate(self, where: str) -> None:
         if self.epochs < 1 or self.minibatch_size < 1 or self.lr <= 0:
