@@ -8,7 +8,6 @@ the same weights. `actor: 0-1:0` (one process over both devices' cores) avoids t
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -38,11 +37,9 @@ def advantages(traj: Trajectory, cfg, scores: torch.Tensor | None = None) -> tup
 
 def minibatch_loss(policy, obs, actions, old_logp, old_v, adv, returns, clip: torch.Tensor, alg):
     """The PPO loss of one minibatch (shapes [B, ...]) -> (clipped surrogate + vf_coef * MSE - ent_coef * entropy,
-    [pg_loss, vf_loss (MSE), entropy, approx_kl, clipfrac]). Advantages are normalized here when alg.norm_adv
-    (ppo_update normalizes over the whole minibatch itself before splitting it between ranks). `clip` is a 0-d
-    tensor, so a compiled copy keeps one graph while the clip range anneals."""
-    if alg.norm_adv and len(adv) > 1:
-        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    [pg_loss, vf_loss (MSE), entropy, approx_kl, clipfrac]). `adv` comes normalized where alg.norm_adv (ppo_update
+    does it over the whole minibatch, before splitting it between ranks). `clip` is a 0-d tensor, so a compiled copy
+    keeps one graph while the clip range anneals."""
     logp, entropy, values = policy.evaluate(obs, actions)
     pg, m = policy_loss(logp[:, None], old_logp[:, None], adv[:, None], None, clip_low=clip)
     vf, _ = value_loss(values, old_v, returns, clip=alg.clip_vf)
@@ -59,7 +56,7 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
     """Epochs x minibatches of `loss_fn` (minibatch_loss, or a compiled copy of it) over the flattened [T, N] steps
     where mask. frac in (0, 1]: the share of the run left (LR and clip annealing). Each epoch gathers the data
     once in a seeded order and takes minibatches as slices; with `world` ranks each takes every world-th sample of
-    a minibatch and `allreduce` averages the gradients. Returns metrics."""
+    a minibatch and `allreduce(grads)` averages the flat gradient buffer over them. Returns metrics."""
     a, alg = cfg.actor, cfg.algorithm
     keep = mask.reshape(-1)
     flat = lambda x: x.reshape(-1, *x.shape[2:])[keep]  # noqa: E731
@@ -69,7 +66,6 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
         group["lr"] = a.lr * (frac if a.anneal_lr else 1.0)
     clip = max(alg.clip * (frac if alg.anneal_clip else 1.0), 1e-8)
     clip_t = torch.tensor(clip)  # a tensor: a compiled loss_fn keeps one graph while the clip anneals
-    mb_alg = alg if world == 1 else _no_norm(alg)
     params = [p for p in policy.parameters() if p.requires_grad]
     grads = flat_grads(params)
     size = len(returns)
@@ -79,15 +75,15 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
         shuffled = [x[order] for x in data]
         for lo in range(0, size, a.minibatch_size):
             mb = [x[lo:lo + a.minibatch_size] for x in shuffled]
-            if world > 1:  # normalize advantages over the whole minibatch, then take this rank's share
-                if alg.norm_adv and len(mb[4]) > 1:
-                    mb[4] = (mb[4] - mb[4].mean()) / (mb[4].std() + 1e-8)
+            if alg.norm_adv and len(mb[4]) > 1:  # over the whole minibatch, before any rank takes its share
+                mb[4] = (mb[4] - mb[4].mean()) / (mb[4].std() + 1e-8)
+            if world > 1:
                 mb = [x[rank::world] for x in mb]
-            loss, s = loss_fn(policy, *mb, clip_t, mb_alg)
+            loss, s = loss_fn(policy, *mb, clip_t, alg)
             grads.zero_()
             loss.backward()  # accumulates into the views of `grads`
             if allreduce is not None:
-                allreduce(policy)
+                allreduce(grads)
             norm = torch.linalg.vector_norm(grads)  # clip_grad_norm_'s arithmetic on one tensor, not one per param
             grads.mul_((a.grad_clip / (norm + 1e-6)).clamp(max=1.0))
             grad_norms.append(norm)
@@ -120,23 +116,12 @@ def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return buf
 
 
-def _no_norm(alg):
-    """alg with norm_adv off (the advantages were already normalized over the whole minibatch)."""
-    return dataclasses.replace(alg, norm_adv=False)
-
-
-def allreduce_grads(policy) -> None:
-    """Average gradients over the actor ranks: one flat gloo all-reduce."""
+def allreduce_grads(grads: torch.Tensor) -> None:
+    """Average the flat gradient buffer (see flat_grads) over the actor ranks: one gloo all-reduce, in place."""
     import torch.distributed as dist
 
-    params = [p for p in policy.parameters() if p.grad is not None]
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    dist.all_reduce(grads)
+    grads /= dist.get_world_size()
 
 
 class EmbodiedActorWorker(Worker):
