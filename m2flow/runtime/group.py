@@ -230,6 +230,10 @@ class _Host:
             port = s.getsockname()[1]
         return dict(pid=os.getpid(), node_ip=ray.util.get_node_ip_address(), port=port)
 
+    @ray.method(concurrency_group="system")
+    def alive(self) -> bool:
+        return True
+
     @ray.method(concurrency_group="user")
     def construct(self, uid: str, worker_cls, attrs: dict, env: dict[str, str], args, kwargs) -> tuple:
         os.environ.update(env)
@@ -261,21 +265,34 @@ class Handle:
         """refs: one per rank (None where `local` holds the outcome of an in-process call already made)."""
         self.group, self.method, self.ranks, self._refs = group, method, ranks, refs
         self._outcomes: dict[int, tuple] = {}  # position -> ("ok", value, wall) once fetched
-        self._error: WorkerError | None = None
+        self._failures: dict[int, WorkerError] = {}  # position -> its error, once fetched
         self.wall_times: list[float] = []
         for pos, out in (local or {}).items():
             try:
                 self._settle(pos, out)
             except WorkerError:
-                pass  # kept in self._error: raised by wait(), like a remote failure
+                pass  # kept in self._failures: raised by wait(), like a remote failure
+
+    @property
+    def error(self) -> WorkerError | None:
+        """The error this call raises, once any rank has failed: the lowest failing rank's, and when several ranks
+        failed it says how many (`calc rank 0: process died ... (2 of 2 ranks failed)`)."""
+        if not self._failures:
+            return None
+        first = self._failures[min(self._failures, key=lambda pos: self.ranks[pos])]
+        if len(self._failures) == 1:
+            return first
+        return WorkerError(first.component, first.rank,
+                           f"{first.message} ({len(self._failures)} of {len(self.ranks)} ranks failed)",
+                           first.remote_traceback, first.exc_type)
 
     def done(self) -> bool:
-        refs = [r for i, r in enumerate(self._refs) if i not in self._outcomes and r is not None]
+        refs = [r for i, r in enumerate(self._refs) if i not in self._outcomes and i not in self._failures]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
         return len(ready) == len(refs)
 
     def wait(self, timeout: float | None = None) -> list:
-        """Per-rank results in rank order. Raises WorkerError (the first failing rank) or TimeoutError."""
+        """Per-rank results in rank order. Raises WorkerError (see `error`) or TimeoutError."""
         return wait_all([self], timeout)[0]
 
     def _fetch(self, pos: int) -> None:
@@ -294,7 +311,7 @@ class Handle:
                                 remote_traceback=str(e), exc_type=type(e).__name__)
         else:
             return self._settle(pos, out)
-        self._error = self._error or error
+        self._failures[pos] = error
         raise error
 
     def _settle(self, pos: int, out: tuple) -> None:
@@ -304,8 +321,20 @@ class Handle:
             return
         _, exc_type, message, tb, _wall = out
         error = WorkerError(self.group.component, self.ranks[pos], f"{self.method}() raised {message}", tb, exc_type)
-        self._error = self._error or error
+        self._failures[pos] = error
         raise error
+
+    def _settle_failed_peers(self, grace: float) -> None:
+        """After one rank failed: give this call's other ranks `grace` seconds to finish or fail too (a kill or a
+        crash takes them all at about the same time), so the error names the lowest failing rank, not the one Ray
+        happened to report first. A rank still running after that (e.g. blocked on a peer) is left running."""
+        pending = {r: i for i, r in enumerate(self._refs) if i not in self._outcomes and i not in self._failures}
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace) if pending else ([], [])
+        for ref in ready:
+            try:
+                self._fetch(pending[ref])
+            except WorkerError:
+                pass  # kept in self._failures
 
     def _results(self) -> list:
         outs = [self._outcomes[i] for i in range(len(self._refs))]
@@ -316,13 +345,17 @@ class Handle:
         return f"Handle({self.group.component}.{self.method} on ranks {self.ranks})"
 
 
+_PEER_GRACE_S = 1.0  # after a rank fails, how long its call's other ranks get to report before the error is raised
+
+
 def wait_all(handles: Iterable[Handle], timeout: float | None = None) -> list[list]:
-    """Wait on all handles at once; the first failure anywhere raises at once (a WorkerError), even while other
-    calls are still blocked, e.g. on data that a dead producer will never send. Returns each handle's results."""
+    """Wait on all handles at once; the first failure anywhere raises (a WorkerError, see `Handle.error`) within
+    about a second, even while other calls are still blocked, e.g. on data that a dead producer will never send.
+    Returns each handle's results."""
     handles = list(handles)
     for h in handles:
-        if h._error is not None:
-            raise h._error
+        if h.error is not None:
+            raise h.error
     pending = {h._refs[i]: (h, i) for h in handles for i in range(len(h._refs)) if i not in h._outcomes}
     deadline = None if timeout is None else time.monotonic() + timeout
     while pending:
@@ -333,7 +366,11 @@ def wait_all(handles: Iterable[Handle], timeout: float | None = None) -> list[li
             raise TimeoutError(f"wait: timed out after {timeout}s; still running: {', '.join(waiting)}")
         for ref in ready:
             h, i = pending.pop(ref)
-            h._fetch(i)
+            try:
+                h._fetch(i)
+            except WorkerError:
+                h._settle_failed_peers(_PEER_GRACE_S)
+                raise h.error from None
     return [h._results() for h in handles]
 
 
@@ -497,14 +534,29 @@ class Group:
         refs = [self._actors[r].spans.remote(self._uid, clear) for r in self._ranks]
         return [s for per_rank in Handle(self, "spans", list(self._ranks), refs).wait() for s in per_rank]
 
-    def kill(self) -> None:
-        """Kill the selected ranks' processes at once (pending calls fail with WorkerError; groups co-hosted in
-        them die too)."""
-        for rank in self._ranks:
+    def kill(self, timeout: float = 60.0) -> None:
+        """Kill the selected ranks' processes and return once they are dead, so that every call made after it (on
+        this group or on a group co-hosted in them) fails with WorkerError. Pending calls fail the same way.
+        `ray.kill` only asks for the kill; here each process is pinged until Ray reports it dead."""
+        actors = [self._actors[rank] for rank in self._ranks]
+        for actor in actors:
             try:
-                ray.kill(self._actors[rank], no_restart=True)
+                ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
+        deadline = time.monotonic() + timeout
+        for rank, actor in zip(self._ranks, actors):
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"{self.component} rank {rank}: still alive {timeout:.0f}s after kill()")
+                try:
+                    ray.get(actor.alive.remote(), timeout=min(left, 1.0))
+                except ray.exceptions.GetTimeoutError:
+                    continue  # busy going down: ask again
+                except ray.exceptions.RayActorError:
+                    break  # dead
+                time.sleep(0.005)  # the kill is on its way
 
     def __repr__(self):
         devices = [self.placement.rank_devices[r] for r in self._ranks]

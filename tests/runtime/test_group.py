@@ -49,6 +49,11 @@ class Calc(Worker):
     def fail(self, message):
         raise ValueError(message)
 
+    def fail_if(self, fail, message):
+        if fail:
+            raise ValueError(message)
+        return message
+
     def traced(self, step):
         with self.span("work", step=step):
             time.sleep(0.01)
@@ -212,6 +217,37 @@ def test_sigkill_surfaces_as_worker_error_and_wait_all_fails_fast(cluster):
         victims.kill()
     with pytest.raises(WorkerError, match="victim rank 0: process died"):
         blocked.wait(timeout=30)
+
+
+def test_kill_returns_once_the_processes_are_dead(cluster):
+    # ray.kill only asks; a call made right after Group.kill() must fail every time, never reach a live process
+    for attempt in range(3):
+        group = Victim.launch(cluster, ComponentPlacement("victim", ((0,), (1,))))
+        assert len(set(group.pid().wait(timeout=30))) == 2
+        group.kill()
+        with pytest.raises(WorkerError, match="victim rank 0: process died"):
+            group.pid().wait(timeout=30)
+        group.kill()  # again: a no-op on dead processes
+
+
+def test_when_several_ranks_fail_the_error_names_the_lowest_and_counts_them(cluster, calc):
+    with pytest.raises(WorkerError, match=r"^calc rank 0: fail\(\) raised ValueError: both \(2 of 2 ranks failed\)") as err:
+        calc.fail("both").wait(timeout=30)
+    assert err.value.rank == 0 and "ValueError: both" in err.value.remote_traceback
+    with pytest.raises(WorkerError, match=r"^calc rank 1: fail_if\(\) raised ValueError: one\n") as err:
+        calc.on([0, 1]).call_per_rank("fail_if", [(False, "one"), (True, "one")]).wait(timeout=30)
+    assert "ranks failed" not in str(err.value)
+    victims = Victim.launch(cluster, ComponentPlacement("victim", ((0,), (1,))))
+    try:
+        pids = victims.pid().wait(timeout=30)
+        blocked = victims.block(60)
+        time.sleep(0.2)
+        for pid in reversed(pids):  # rank 1 dies first: Ray is likely to report it first
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerError, match=rf"^victim rank 0: process died \(pid {pids[0]} .*\(2 of 2 ranks failed\)"):
+            blocked.wait(timeout=30)
+    finally:
+        victims.kill()
 
 
 class Asker(Worker):
