@@ -3,26 +3,40 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.m2flow-installed
+# Every install goes through the lock file: the exact versions the suite last passed with.
+PIP := $(PY) -m pip install -q -c constraints.txt
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench lock clean
 
 setup: $(STAMP)
 
 # torch is pinned to the CPU build on disk and installed first, so nothing pulls a CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[test]"
 	touch $(STAMP)
 
 demo: setup
 	$(VENV)/bin/m2flow demo
 
+# Every failure of a run is shown (no -x), then the 15 slowest tests.
 test: setup
-	$(PY) -m pytest -q -x --durations=15 tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: setup
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PIP) -e ".[test,bench]"
+
+# Refresh the lock deliberately: resolve the newest releases pyproject.toml's ranges admit in a scratch venv
+# and write them to constraints.txt (its comment header is kept). Then `make test`; commit both if it passes.
+LOCK_VENV := .lock-venv
+lock:
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q torch==2.13.0
+	$(LOCK_VENV)/bin/pip install -q -e ".[test,bench]"
+	{ grep '^#' constraints.txt; $(LOCK_VENV)/bin/pip freeze --all --exclude-editable | grep -v '^pip=='; } \
+		> constraints.txt.new && mv constraints.txt.new constraints.txt
+	rm -rf $(LOCK_VENV) $(STAMP)
 
 clean:
 	rm -rf runs/ .pytest_cache
