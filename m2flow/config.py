@@ -323,6 +323,9 @@ class AlgorithmConfig:
     kl_estimator: str = opt("k3", "k1 | k2 | k3")
     entropy_coef: float = opt(0.0, "entropy bonus")
     dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal")
+    old_logprobs: str = opt("auto", "old-policy logprobs of the PPO ratio: recompute (an inference forward pass) | "
+                                    "rollout (the engine's behaviour logprobs) | auto (rollout when each sample is "
+                                    "trained on once, 1 epoch and 1 mini-batch, so the ratio is 1; else recompute)")
 
 
 @dataclass
@@ -370,6 +373,18 @@ class ReasoningConfig:
                               f"got '{self.algorithm.advantage}'")
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be >= 2 for grpo (advantages are relative within a group)")
+        if self.algorithm.old_logprobs not in ("auto", "recompute", "rollout"):
+            raise ConfigError(f"algorithm.old_logprobs must be auto | recompute | rollout, "
+                              f"got '{self.algorithm.old_logprobs}'")
+
+    def recompute_old_logprobs(self) -> bool:
+        """Whether the inference stage runs a forward pass for the old-policy logprobs. Without it the ratio uses the
+        rollout engine's behaviour logprobs (temperature-scaled, untruncated: equal to the trainer's to ~1e-5). `auto`
+        skips the pass when every sample is trained on once by the policy that generated it (1 epoch, 1 mini-batch,
+        weights synced after every step), where the ratio is 1 anyway, as TRL does."""
+        if self.algorithm.old_logprobs == "auto":
+            return self.actor.epochs > 1 or self.actor.mini_batches > 1
+        return self.algorithm.old_logprobs == "recompute"
 
 
 # ---------------------------------------------------------------------------------------------- embodied

@@ -222,14 +222,15 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
             groups = _launch(cluster, cfg, model_path, d, work_dir)
             try:
                 rollout, reward, inference, actor = groups
-                sync_weights(actor, [rollout, inference], check=False)
+                receivers = [rollout, inference] if cfg.recompute_old_logprobs() else [rollout]
+                sync_weights(actor, receivers, check=False)
                 chain(groups, min(batches), None)  # warm-up: first calls allocate, import and connect
                 for b in batches:
                     for _ in range(repeats):
                         chain(groups, b, d)
                 for _ in range(repeats):
                     t = time.perf_counter()
-                    sync_weights(actor, [rollout, inference], check=cfg.rollout.check_weight_sync)
+                    sync_weights(actor, receivers, check=cfg.rollout.check_weight_sync)
                     info.setdefault("sync", []).append(time.perf_counter() - t)
                 if d == min(devices):
                     info["state"] = {name: g.state_bytes().wait()[0] for name, g in zip(COMPONENTS, groups)}

@@ -62,7 +62,8 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
         actor.load_checkpoint(str(ckpt)).wait()
         restore_driver_state(ckpt, train_set)
         run.drop_metrics_after(start)
-    sync_weights(actor, [rollout, inference], check=cfg.rollout.check_weight_sync)
+    receivers = [rollout, inference] if cfg.recompute_old_logprobs() else [rollout]  # who holds the current policy
+    sync_weights(actor, receivers, check=cfg.rollout.check_weight_sync)
 
     last: dict = {}
     with progress(cfg.run.progress) as bar:
@@ -78,7 +79,7 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
                 actor.train(ready, step, inference.world_size),
             ])
             t1 = time.perf_counter()
-            sync_weights(actor, [rollout, inference], check=cfg.rollout.check_weight_sync)
+            sync_weights(actor, receivers, check=cfg.rollout.check_weight_sync)
             t2 = time.perf_counter()
             last = merge_metrics(results)
             last.update({"time/step": t2 - t0, "time/rollout": last.get("rollout/seconds", 0.0), "time/weight_sync": t2 - t1,

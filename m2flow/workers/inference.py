@@ -38,13 +38,21 @@ def groups_to_batch(groups: list[dict], pad_id: int) -> Batch:
 
 
 class InferenceWorker(Worker):
+    """Holds the current policy only when it recomputes old logprobs (`cfg.recompute_old_logprobs()`; it then takes
+    weight syncs), and the frozen initial policy only for a KL penalty. With neither, it only collates: the old
+    logprobs are the rollout's, and it never takes the device."""
+
     def __init__(self, cfg, model_path: str):
         self.cfg = cfg
         self.pad_id = load_tokenizer(model_path).pad_token_id
-        self.model = load_model(model_path, dtype=getattr(torch, cfg.model.dtype)).eval()
+        self.recompute = cfg.recompute_old_logprobs()
+        kl = cfg.algorithm.kl_coef > 0
+        model = load_model(model_path, dtype=getattr(torch, cfg.model.dtype)).eval() if self.recompute or kl else None
+        self.model = model if self.recompute else None
         # the reference policy is the initial model, frozen: only needed for a KL penalty
-        self.ref = copy.deepcopy(self.model) if cfg.algorithm.kl_coef > 0 else None
-        self.register_offloadable("model", self.model)
+        self.ref = (copy.deepcopy(model) if self.recompute else model) if kl else None
+        if self.model is not None:
+            self.register_offloadable("model", self.model)
         if self.ref is not None:
             self.register_offloadable("ref", self.ref)
 
@@ -66,10 +74,14 @@ class InferenceWorker(Worker):
 
     def _emit(self, groups: list[dict], out, step: int, consumers: int) -> int:
         batch = groups_to_batch(groups, self.pad_id)
-        with self.device_phase("logprobs", step), torch.no_grad():
-            batch["old_logprobs"] = token_logprobs(self.model, batch.tensors, self.cfg.rollout.temperature)
-            if self.ref is not None:
-                batch["ref_logprobs"] = token_logprobs(self.ref, batch.tensors, self.cfg.rollout.temperature)
+        if not self.recompute:
+            batch["old_logprobs"] = batch["rollout_logprobs"]
+        if self.model is not None or self.ref is not None:
+            with self.device_phase("logprobs", step), torch.no_grad():
+                if self.model is not None:
+                    batch["old_logprobs"] = token_logprobs(self.model, batch.tensors, self.cfg.rollout.temperature)
+                if self.ref is not None:
+                    batch["ref_logprobs"] = token_logprobs(self.ref, batch.tensors, self.cfg.rollout.temperature)
         if consumers > 1:
             route(out, batch, consumers)
         else:
@@ -77,6 +89,9 @@ class InferenceWorker(Worker):
         return len(batch)
 
     def load_weights(self, weights: WeightsRef) -> str:
+        if self.model is None:
+            raise RuntimeError("inference: load_weights() called, but this worker holds no policy copy "
+                               "(old logprobs come from the rollout); the flow syncs only the workers that need it")
         with self.device_phase("weight_sync", weights.version):
             load_into(self.model, weights)
         return state_digest(self.model.state_dict())

@@ -28,7 +28,7 @@ class RewardWorker(Worker):
         END per consumer rank (the consumers share the queue)."""
         rewards, lengths, kept, dropped, timeouts, errors = [], [], 0, 0, 0, 0
         for group in drain(inp, producers):
-            with self.device_phase("reward", step):
+            with self.span("reward", step):  # CPU work beside the device's tenants: it never takes the device lock
                 scores, counters = self.runner.score([(t, group["answer"]) for t in group["texts"]])
             timeouts += counters["timeouts"]
             errors += counters["errors"]

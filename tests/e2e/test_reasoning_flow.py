@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -66,6 +67,37 @@ def test_pipelined_trace_overlaps_rollout_and_training(cluster, tmp_path):
     consume = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] in ("logprobs", "train")]
     overlapped = sum(1 for a, b in consume for g0, g1 in gen if a < g1 and b > g0)
     assert overlapped >= 1, "no inference/train span ran while rollout was generating"
+
+
+def trace_phases(run_dir):
+    return {e.get("name") for e in json.loads((run_dir / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"}
+
+
+def test_on_policy_steps_reuse_the_rollout_logprobs(cluster, tmp_path):
+    """1 epoch, 1 mini-batch: `algorithm.old_logprobs: auto` takes the engine's behaviour logprobs instead of an
+    inference forward pass (no logprobs span, no weight sync to inference) and learns as a recomputing run does."""
+    common = ["cluster.placement=rollout,reward,inference,actor: 0-1:0", "reward.fn=reward_fixtures:digit_fraction",
+              "run.steps=2"]
+    train(make_cfg(tmp_path, "reuse", *common), cluster)
+    train(make_cfg(tmp_path, "recompute", "algorithm.old_logprobs=recompute", *common), cluster)
+    reuse, recompute = rows(tmp_path / "reuse"), rows(tmp_path / "recompute")
+    assert reuse[0]["reward/mean"] == recompute[0]["reward/mean"]  # same weights, same seeds: same samples
+    for a, b in zip(reuse, recompute):
+        for k in ("actor/pg_loss", "actor/grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6), (a["step"], k)
+        assert a["actor/clipfrac"] == 0 and abs(a["actor/approx_kl"]) < 1e-5  # the ratio is 1 to rounding
+    wa = weights(tmp_path / "reuse" / "checkpoints" / "step_2" / "model")
+    wb = weights(tmp_path / "recompute" / "checkpoints" / "step_2" / "model")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-5)
+    assert "logprobs" not in trace_phases(tmp_path / "reuse") and "train" in trace_phases(tmp_path / "reuse")
+    assert "logprobs" in trace_phases(tmp_path / "recompute")
+    assert make_cfg(tmp_path, "x").recompute_old_logprobs() is False
+    assert make_cfg(tmp_path, "x", "actor.epochs=2").recompute_old_logprobs() is True
+    assert make_cfg(tmp_path, "x", "actor.mini_batches=2").recompute_old_logprobs() is True
+    assert make_cfg(tmp_path, "x", "actor.epochs=2", "algorithm.old_logprobs=rollout").recompute_old_logprobs() is False
+    with pytest.raises(C.ConfigError, match=re.escape("algorithm.old_logprobs must be auto | recompute | rollout, got 'old'")):
+        make_cfg(tmp_path, "x", "algorithm.old_logprobs=old")
 
 
 def test_reward_rises_on_a_learnable_task(cluster, tmp_path):
