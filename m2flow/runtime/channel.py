@@ -220,7 +220,8 @@ def _actor_class():
             return "ok", len(msgs)
 
         async def get(self, key, target, timeout, proc: str):
-            """One message (target None) or messages until their weights sum to >= target. Returns (status, msgs)."""
+            """One message (target None), messages until their weights sum to >= target, or (target "all") every
+            message takeable now, at least one. Returns (status, msgs)."""
             deadline = deadline_of(timeout)
             async with self.cond:
                 self._saw(proc)
@@ -236,7 +237,7 @@ def _actor_class():
                         taken.append(msg)
                         total += msg[0]
                         self.cond.notify_all()
-                        if target is None or total >= target:
+                        if target is None or (total >= target if target != "all" else not takeable()):
                             return "ok", taken
                     elif self.closed and not q:
                         return ("ok", taken) if taken else ("closed", [])
@@ -357,6 +358,12 @@ class Channel:
         """Items in FIFO order until their weights sum to >= target_weight (a closed channel's last may be short)."""
         self._check_target(target_weight)
         msgs = self._got(self._wait(self._actor.get.remote(key, target_weight, timeout, _proc())), key, timeout)
+        return self._items_of(msgs, self._fetch(msgs, key))
+
+    def get_all(self, key=None, timeout: float | None = None) -> list:
+        """Everything queued in the key's sub-queue, in FIFO order, in one round trip; waits for at least one item.
+        For a consumer that has the sub-queue to itself (consumers sharing it would each take the others' share)."""
+        msgs = self._got(self._wait(self._actor.get.remote(key, "all", timeout, _proc())), key, timeout)
         return self._items_of(msgs, self._fetch(msgs, key))
 
     async def get_async(self, key=None, timeout: float | None = None):

@@ -77,14 +77,14 @@ class ActorWorker(Worker):
         if a.mini_batches == 1 and a.epochs == 1:
             self.optimizer.zero_grad(set_to_none=True)
             seen = 0
-            for share in drain(inp, producers, key=self.key):
+            for share in drain(inp, producers, key=self.key, alone=True):
                 with self.device_phase("train", step):
                     seen += self._backward(share.split(a.micro_batch), stats, real=share.meta.get("weight", 1) != 0)
             with self.device_phase("optimizer", step):
                 grad_norm, samples = self._step(seen)
             grad_norms = [grad_norm]
         else:
-            shares = list(drain(inp, producers, key=self.key))
+            shares = list(drain(inp, producers, key=self.key, alone=True))
             real = [s for s in shares if s.meta.get("weight", 1) != 0]
             full = Batch.concat(real or shares[:1], pad_value={"input_ids": self.tokenizer.pad_token_id})
             gen = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + step)

@@ -14,15 +14,17 @@ from m2flow.types import Batch
 END = "__m2flow_end_of_step__"
 
 
-def drain(channel, producers: int = 1, timeout: float | None = None, key=None) -> Iterator:
-    """Yield items from `channel` (sub-queue `key`) until `producers` END markers have arrived."""
+def drain(channel, producers: int = 1, timeout: float | None = None, key=None, alone: bool = False) -> Iterator:
+    """Yield items from `channel` (sub-queue `key`) until `producers` END markers have arrived. `alone`: this consumer
+    has the sub-queue to itself (one consumer rank, or its own key), so it takes everything queued in one round trip;
+    consumers sharing a queue take one item at a time, so that none takes the ENDs meant for another."""
     ends = 0
     while ends < producers:
-        item = channel.get(key=key, timeout=timeout)
-        if isinstance(item, str) and item == END:
-            ends += 1
-        else:
-            yield item
+        for item in channel.get_all(key=key, timeout=timeout) if alone else [channel.get(key=key, timeout=timeout)]:
+            if isinstance(item, str) and item == END:
+                ends += 1
+            else:
+                yield item
 
 
 def finish(channel, consumers: int = 1, keyed: bool = False) -> None:

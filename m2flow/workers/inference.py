@@ -62,7 +62,7 @@ class InferenceWorker(Worker):
         data-parallel actor) each micro-batch is split into one share per rank, into the rank's sub-queue."""
         pending: list[dict] = []
         sent = 0
-        for group in drain(inp, producers):
+        for group in drain(inp, producers, alone=self.world_size == 1):
             pending.append(group)
             if sum(len(g["responses"]) for g in pending) >= micro_batch:
                 sent += self._emit(pending, out, step, consumers)

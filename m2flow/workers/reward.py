@@ -27,7 +27,7 @@ class RewardWorker(Worker):
         """Score groups from `inp` until END; forward kept groups (with `rewards`, `advantages`) to `out`, then one
         END per consumer rank (the consumers share the queue)."""
         rewards, lengths, kept, dropped, timeouts, errors = [], [], 0, 0, 0, 0
-        for group in drain(inp, producers):
+        for group in drain(inp, producers, alone=self.world_size == 1):
             with self.span("reward", step):  # CPU work beside the device's tenants: it never takes the device lock
                 scores, counters = self.runner.score([(t, group["answer"]) for t in group["texts"]])
             timeouts += counters["timeouts"]

@@ -160,6 +160,18 @@ def test_get_batch_by_weight(shared, key):
         shared.get_batch(0, key=key)
 
 
+def test_get_all_takes_everything_queued_in_one_call(shared, key, procs):
+    with pytest.raises(ChannelTimeout):
+        shared.get_all(key=key, timeout=0.2)  # waits for at least one item
+    shared.put_many(["a", torch.arange(3), "c"], key=key, weights=[1, 5, 0.5])
+    got = shared.get_all(key=key, timeout=5)
+    assert got[0] == "a" and torch.equal(got[1], torch.arange(3)) and got[2] == "c" and shared.qsize(key) == 0
+    later = procs[0].run.remote(lambda ch, k: ch.get_all(key=k, timeout=20), shared, key)  # waiting when items come
+    time.sleep(0.3)
+    shared.put_many([1, 2], key=key)
+    assert ray.get(later, timeout=20) == [1, 2]  # one put_many appends both before a waiter wakes
+
+
 def test_backpressure_blocks_put_until_a_get(procs):
     chan = Channel.create(f"test-{uuid.uuid4().hex[:8]}", maxsize=2)
     try:
