@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from m2flow import config as C
+from m2flow.runtime.tracer import busy_seconds
 
 
 class RunDir:
@@ -130,3 +131,13 @@ def progress(enabled: bool = True):
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TimeRemainingColumn(), TextColumn("{task.fields[info]}"), disable=not enabled, transient=False,
     )
+
+
+def idle_metrics(spans: list[dict], start: float, end: float, devices) -> dict:
+    """`time/idle/device{d}`: seconds of the step's window [start, end] (epoch seconds) in which no span ran on device
+    d (wall time minus the union of its spans); `time/idle_fraction`: their mean share of the window."""
+    wall = max(end - start, 1e-9)
+    idle = {d: wall - b for d, b in busy_seconds(spans, start, end, devices).items()}
+    out = {f"time/idle/device{d}": s for d, s in idle.items()}
+    out["time/idle_fraction"] = sum(idle.values()) / (wall * max(len(idle), 1))
+    return out

@@ -14,8 +14,8 @@ import torch
 
 from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
-from m2flow.flows.outputs import RunDir, progress
-from m2flow.runtime import Channel, Cluster, launch_all, wait_all
+from m2flow.flows.outputs import RunDir, idle_metrics, progress
+from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, wait_all
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import make_plan
 from m2flow.workers.actor import ActorWorker
@@ -30,6 +30,7 @@ PLOTS = {
     "response_length": ["response/length_mean"],
     "loss": ["actor/pg_loss", "actor/kl", "actor/entropy"],
     "step_seconds": ["time/step", "time/rollout", "time/weight_sync"],
+    "idle": ["time/idle_fraction"],
 }
 
 
@@ -65,11 +66,12 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
     receivers = [rollout, inference] if cfg.recompute_old_logprobs() else [rollout]  # who holds the current policy
     sync_weights(actor, receivers, check=cfg.rollout.check_weight_sync)
 
-    last: dict = {}
+    devices = sorted({d for g in groups for devs in g.placement.rank_devices for d in devs})
+    last, trace = {}, []
     with progress(cfg.run.progress) as bar:
         task = bar.add_task(cfg.algorithm.name, total=cfg.run.steps, completed=start, info="")
         for step in range(start, cfg.run.steps):
-            t0 = time.perf_counter()
+            t0, w0 = time.perf_counter(), time.time()
             prompts = train_set.next_batch(cfg.rollout.prompts_per_step)
             shards = [prompts[r :: rollout.world_size] for r in range(rollout.world_size)]
             results = wait_all([
@@ -80,8 +82,10 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
             ])
             t1 = time.perf_counter()
             sync_weights(actor, receivers, check=cfg.rollout.check_weight_sync)
-            t2 = time.perf_counter()
-            last = merge_metrics(results)
+            t2, w2 = time.perf_counter(), time.time()
+            spans = gather_spans(groups, clear=True)
+            trace += spans if cfg.run.trace else []
+            last = merge_metrics(results) | idle_metrics(spans, w0, w2, devices)
             last.update({"time/step": t2 - t0, "time/rollout": last.get("rollout/seconds", 0.0), "time/weight_sync": t2 - t1,
                          "throughput/tokens_per_s": last.get("rollout/tokens", 0) / (t2 - t0)})
             run.log(step + 1, last)
@@ -90,9 +94,8 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
             bar.update(task, advance=1, info=f"reward {last['reward/mean']:.3f}  acc {last['reward/accuracy']:.2f}")
 
     if cfg.run.trace:
-        spans = [s for g in groups for s in g.spans()]
-        write_chrome_trace(spans, run.path / "trace.json")
-        plot_timeline(spans, run.path / "plots" / "timeline.png")
+        write_chrome_trace(trace, run.path / "trace.json")
+        plot_timeline(trace, run.path / "plots" / "timeline.png")
     run.plot(PLOTS)
     run.close()
     if cfg.cluster.placement == "auto":

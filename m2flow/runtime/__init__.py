@@ -2,15 +2,16 @@
 
 from .channel import Channel, ChannelClosed, ChannelItemLost, ChannelTimeout
 from .cluster import Cluster, Device
-from .group import Group, Handle, Worker, WorkerError, concurrent, launch_all, wait_all
+from .group import Group, Handle, Worker, WorkerError, concurrent, gather_spans, launch_all, wait_all
 from .lock import DeviceLock
 from .offload import offload_state, onload_state
 from .placement import ComponentPlacement, Placement, PlacementError, parse_placement
-from .tracer import Tracer, plot_timeline, write_chrome_trace
+from .tracer import Tracer, busy_seconds, plot_timeline, write_chrome_trace
 
 __all__ = [
     "Channel", "ChannelClosed", "ChannelItemLost", "ChannelTimeout",
-    "Cluster", "Device", "Group", "Handle", "Worker", "WorkerError", "concurrent", "launch_all", "wait_all", "DeviceLock",
+    "Cluster", "Device", "Group", "Handle", "Worker", "WorkerError", "concurrent", "gather_spans", "launch_all",
+    "wait_all", "DeviceLock",
     "offload_state", "onload_state", "ComponentPlacement", "Placement", "PlacementError", "parse_placement",
-    "Tracer", "plot_timeline", "write_chrome_trace",
+    "Tracer", "busy_seconds", "plot_timeline", "write_chrome_trace",
 ]

@@ -31,7 +31,7 @@ from .offload import offload_state, onload_state
 from .placement import ComponentPlacement
 from .tracer import Tracer
 
-__all__ = ["WorkerError", "Worker", "Group", "Handle", "wait_all", "launch_all", "concurrent"]
+__all__ = ["WorkerError", "Worker", "Group", "Handle", "wait_all", "launch_all", "gather_spans", "concurrent"]
 
 _DEPTH_LOCK = threading.Lock()
 _HOSTED: dict[tuple[str, int], "Worker"] = {}  # in a worker process: its workers by (group uid, rank)
@@ -374,6 +374,12 @@ def wait_all(handles: Iterable[Handle], timeout: float | None = None) -> list[li
     return [h._results() for h in handles]
 
 
+def gather_spans(groups: Sequence["Group"], clear: bool = False) -> list[dict]:
+    """The tracer spans of every selected rank of every group, fetched concurrently; `clear` forgets them there."""
+    handles = [Handle(g, "spans", g.ranks, [g._actors[r].spans.remote(g._uid, clear) for r in g.ranks]) for g in groups]
+    return [s for per_group in wait_all(handles) for per_rank in per_group for s in per_rank]
+
+
 def launch_all(cluster: Cluster, specs: Sequence[tuple], run_dir: str | None = None,
                env: dict[str, str] | None = None, host_with: Sequence["Group | None"] | None = None) -> list["Group"]:
     """Launch several groups at once: every process starts, then every constructor runs, concurrently (a flow's
@@ -530,9 +536,8 @@ class Group:
         return Handle(self, name, list(self._ranks), refs, local)
 
     def spans(self, clear: bool = False) -> list[dict]:
-        """Tracer spans recorded so far on the selected ranks (all by default)."""
-        refs = [self._actors[r].spans.remote(self._uid, clear) for r in self._ranks]
-        return [s for per_rank in Handle(self, "spans", list(self._ranks), refs).wait() for s in per_rank]
+        """Tracer spans recorded so far on the selected ranks (all by default); `clear` forgets them there."""
+        return gather_spans([self], clear)
 
     def kill(self, timeout: float = 60.0) -> None:
         """Kill the selected ranks' processes and return once they are dead, so that every call made after it (on

@@ -13,7 +13,7 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Iterable
 
-__all__ = ["Tracer", "write_chrome_trace", "plot_timeline"]
+__all__ = ["Tracer", "busy_seconds", "write_chrome_trace", "plot_timeline"]
 
 _HOST_LANE = 1_000_000  # Chrome-trace pid for spans that have no device (e.g. the driver)
 
@@ -51,6 +51,21 @@ class Tracer:
             if clear:
                 self._spans.clear()
         return out
+
+
+def busy_seconds(spans: Iterable[dict], start: float, end: float, devices: Iterable[int]) -> dict[int, float]:
+    """Per device: the seconds of [start, end] covered by at least one span on it. Overlapping and nested spans
+    count once (the union), a span is clipped to the window. `end - start - busy` is the device's idle time."""
+    out = {}
+    for d in devices:
+        intervals = sorted((max(s["start"], start), min(s["end"], end)) for s in spans if d in (s.get("devices") or ()))
+        busy, reach = 0.0, start
+        for a, b in intervals:
+            if b > reach:
+                busy += b - max(a, reach)
+                reach = b
+        out[d] = busy
+    return out
 
 
 def _lanes(span: dict) -> list[int]:

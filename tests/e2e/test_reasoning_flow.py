@@ -45,6 +45,10 @@ def test_grpo_steps_train_and_sync(cluster, tmp_path, placement, mode):
         assert KEYS <= set(r), KEYS - set(r)
         assert all(math.isfinite(r[k]) for k in KEYS)
     assert any(r["actor/grad_norm"] > 0 for r in metrics)
+    for r in metrics:  # per device: step wall time minus the union of its spans
+        idle = [r["time/idle/device0"], r["time/idle/device1"]]
+        assert all(0 <= s < r["time/step"] for s in idle), (r["step"], idle, r["time/step"])
+        assert r["time/idle_fraction"] == pytest.approx(sum(idle) / (2 * r["time/step"]), rel=0.05)
     before = weights(tmp_path / mode / "init_model")
     after = weights(tmp_path / mode / "checkpoints" / "step_3" / "model")
     assert any(not torch.equal(before[k], after[k]) for k in before), "training did not change the weights"

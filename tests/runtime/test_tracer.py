@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from m2flow.runtime import Tracer, plot_timeline, write_chrome_trace
+from m2flow.runtime import Tracer, busy_seconds, plot_timeline, write_chrome_trace
 
 
 def _spans():
@@ -69,3 +69,19 @@ def test_timeline_png(tmp_path):
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(path) > 5000
+
+
+def test_busy_seconds_is_the_union_of_a_devices_spans_clipped_to_the_window():
+    def span(start, end, devices):
+        return dict(start=start, end=end, devices=devices)
+
+    spans = [span(10.0, 11.0, [0]), span(10.5, 10.8, [0]),  # nested: counts once
+             span(10.9, 11.5, [0, 1]),  # overlaps the first, on both devices
+             span(9.0, 10.2, [1]), span(11.8, 13.0, [1]),  # clipped at both ends of the window
+             span(10.0, 12.0, [])]  # no device (the driver): counts for none
+    busy = busy_seconds(spans, 10.0, 12.0, [0, 1, 2])
+    assert busy == pytest.approx({0: 1.5, 1: 0.2 + 0.6 + 0.2, 2: 0.0})
+    from m2flow.flows.outputs import idle_metrics
+
+    idle = idle_metrics(spans, 10.0, 12.0, [0, 1])
+    assert idle == pytest.approx({"time/idle/device0": 0.5, "time/idle/device1": 1.0, "time/idle_fraction": 1.5 / 4})
