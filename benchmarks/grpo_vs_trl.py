@@ -6,11 +6,15 @@ samples per step), sample at temperature 1 with the same max completion length, 
 batch with the same learning rate (constant), gradient clip, clip range and KL coefficient, the loss a token
 mean over the whole batch. m2flow runs in each plan of `--plans` (each worker pinned to its device's cores);
 TRL runs in this process (transformers generate, no vLLM) with torch using both cores. Held-out greedy accuracy
-is measured with the same evaluator for every system. Prints one table, beside the machine's matmul limit.
+is measured with the same evaluator for every system (on the first round's models). The systems run interleaved,
+`--rounds` times (m2flow plans, TRL, m2flow plans, TRL, ...; Ray is shut down while TRL runs), with the 1-minute
+load average printed before and after each run; a round in which a run started above load 1.0 prints "machine busy"
+instead of its ratio, and the summary ratios are medians over the quiet rounds. Prints the machine's matmul limit.
 
-    python benchmarks/grpo_vs_trl.py                      # 20 steps each after an 800-step SFT warm start
-    python benchmarks/grpo_vs_trl.py --steps 40 --sft-steps 800 --kl-coef 0.001
-    python benchmarks/grpo_vs_trl.py --quick              # CI-sized smoke: tiny batch, few steps
+    python benchmarks/grpo_vs_trl.py                      # 3 rounds of 20 steps each after an 800-step SFT warm start
+    python benchmarks/grpo_vs_trl.py --hidden 128 --layers 4 --max-new-tokens 8   # the ~1M-parameter workload
+    python benchmarks/grpo_vs_trl.py --hidden 512 --layers 6 --sft-steps 300      # the ~20M-parameter workload
+    python benchmarks/grpo_vs_trl.py --quick              # CI-sized smoke: tiny batch, few steps, 1 round
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import os
 import shutil
 import statistics
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -78,7 +81,7 @@ BASE = {
 
 def make_cfg(args, out: Path, name: str, extra: list[str] = ()) -> C.ReasoningConfig:
     """The shared config: BASE with this run's sizes (every system reads its settings from it)."""
-    overrides = [
+    overrides = [f"model.tiny_hidden={args.hidden}", f"model.tiny_layers={args.layers}",
         f"run.dir={out}", f"run.name={name}", f"run.steps={args.steps}", f"run.seed={args.seed}", "run.save_every=0",
         "run.progress=false", "run.trace=false", f"sft.steps={args.sft_steps}",
         f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
@@ -117,33 +120,6 @@ def load() -> str:
     return f"load avg {one:.1f} (1 min) {five:.1f} (5 min)"
 
 
-class LoadSampler:
-    """Mean of the 1-minute load average, sampled every `every` s while the block runs: how busy the shared
-    machine was (other people's jobs included) while one system was measured."""
-
-    def __init__(self, every: float = 5.0):
-        self.every, self.samples, self._stop = every, [], threading.Event()
-
-    def __enter__(self):
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while True:
-            self.samples.append(os.getloadavg()[0])
-            if self._stop.wait(self.every):
-                return
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def mean(self) -> float:
-        return statistics.mean(self.samples) if self.samples else float("nan")
-
-
 # ---------------------------------------------------------------------------------------------- systems
 
 
@@ -159,7 +135,8 @@ def run_m2flow(args, out: Path, model_path: str, plan: str, cluster) -> dict:
         raise RuntimeError(f"m2flow {plan}: metrics.jsonl has {len(rows)} steps, expected {cfg.run.steps}")
     ranks = len(result["plan"]["placement"]["rollout"])  # rollout metrics are averaged over ranks
     return {"seconds": [r["time/step"] for r in rows], "tokens": [r["rollout/tokens"] * ranks for r in rows],
-            "reward": [r["reward/mean"] for r in rows], "wall": wall, "model": result["final_model"], "cfg": cfg}
+            "reward": [r["reward/mean"] for r in rows], "idle": [r["time/idle_fraction"] for r in rows], "wall": wall,
+            "model": result["final_model"], "cfg": cfg}
 
 
 def run_trl(args, out: Path, model_path: str) -> dict:
@@ -225,34 +202,71 @@ def run_trl(args, out: Path, model_path: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------- report
 
-
-def summarize(name: str, r: dict, warmup: int) -> dict:
-    timed = slice(warmup, None) if len(r["seconds"]) > warmup else slice(None)
-    seconds, tokens = r["seconds"][timed], r["tokens"][timed]
-    return {"name": name, "median": statistics.median(seconds), "min": min(seconds), "tok_s": sum(tokens) / sum(seconds),
-            "reward": r["reward"], "wall": r["wall"], "load": r["load"], **{k: v for k, v in r.items() if k.startswith("pass@")}}
+BUSY = 1.0  # a run that starts above this 1-minute load average was disturbed by other jobs
 
 
-def print_table(rows: list[dict], steps: int, failed: dict[str, str]) -> None:
-    trl = next((r for r in rows if r["name"] == "TRL GRPOTrainer"), None)
+def median_step(r: dict, warmup: int) -> float:
+    return statistics.median(r["seconds"][warmup:] or r["seconds"])
+
+
+def print_rounds(runs: dict[str, list[dict]], warmup: int) -> dict[str, list[float]]:
+    """One line per round: each system's median s/step with the load before -> after its run, and each m2flow plan's
+    speedup over TRL in that round ("machine busy" where a run started above BUSY). Returns the quiet rounds' ratios."""
+    ratios: dict[str, list[float]] = {}
+    rounds = max(len(v) for v in runs.values())
+    for i in range(rounds):
+        cells, trl = [], runs.get("TRL GRPOTrainer", [None] * rounds)[i]
+        for name, per_round in runs.items():
+            r = per_round[i] if i < len(per_round) else None
+            if r is None:
+                continue
+            cell = f"{name} {median_step(r, warmup):.3f} s (load {r['load_before']:.2f} -> {r['load_after']:.2f})"
+            if trl is not None and name != "TRL GRPOTrainer":
+                if max(r["load_before"], trl["load_before"]) > BUSY:
+                    cell += " machine busy"
+                else:
+                    ratio = median_step(trl, warmup) / median_step(r, warmup)
+                    ratios.setdefault(name, []).append(ratio)
+                    cell += f" = {ratio:.2f}x TRL"
+            cells.append(cell)
+        print(f"round {i + 1}: " + "; ".join(cells))
+    return ratios
+
+
+def print_table(runs: dict[str, list[dict]], ratios: dict[str, list[float]], steps: int, warmup: int,
+                failed: dict[str, str]) -> None:
     k = max(1, min(5, steps // 2))  # steps averaged for the train reward at the start and at the end
-    header = (f"{'system / plan':<20} | {'median s/step':>13} | {'min s/step':>10} | {'speedup vs TRL':>14} | {'gen tok/s':>9} | "
-              f"{f'train reward first{k}->last{k}':>26} | {f'held-out pass@1 after {steps}':>25} | {'pass@8':>6} | {'load':>4}")
+    header = (f"{'system / plan':<20} | {'median s/step':>13} | {'speedup vs TRL':>14} | {'idle':>5} | {'gen tok/s':>9} | "
+              f"{f'train reward first{k}->last{k}':>26} | {f'held-out pass@1 after {steps}':>25} | {'pass@8':>6}")
     print(header)
     print("-" * len(header))
-    for r in rows:
-        speed = f"{trl['median'] / r['median']:.2f}x" if trl else "n/a"
-        reward = f"{statistics.mean(r['reward'][:k]):.3f} -> {statistics.mean(r['reward'][-k:]):.3f}"
-        print(f"{r['name']:<20} | {r['median']:>13.3f} | {r['min']:>10.3f} | {speed:>14} | {r['tok_s']:>9.0f} | {reward:>26} | "
-              f"{r['pass@1']:>25.1%} | {r['pass@8']:>6.1%} | {r['load']:>4.1f}")
+    for name, per_round in runs.items():
+        first = per_round[0]
+        medians = [median_step(r, warmup) for r in per_round]
+        seconds = [x for r in per_round for x in r["seconds"][warmup:] or r["seconds"]]
+        tokens = [x for r in per_round for x in r["tokens"][warmup:] or r["tokens"]]
+        if name == "TRL GRPOTrainer":
+            speed = "1.00x"
+        elif ratios.get(name):
+            speed = f"{statistics.median(ratios[name]):.2f}x"
+        else:
+            speed = "machine busy"
+        idle = [x for r in per_round for x in r.get("idle", [])[warmup:]]
+        reward = f"{statistics.mean(first['reward'][:k]):.3f} -> {statistics.mean(first['reward'][-k:]):.3f}"
+        print(f"{name:<20} | {statistics.median(medians):>13.3f} | {speed:>14} | "
+              f"{f'{statistics.median(idle):.0%}' if idle else 'n/a':>5} | {sum(tokens) / sum(seconds):>9.0f} | "
+              f"{reward:>26} | {first['pass@1']:>25.1%} | {first['pass@8']:>6.1%}")
     for name, err in failed.items():
         print(f"{name:<20} | FAILED: {err}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20, help="GRPO steps per system")
+    ap.add_argument("--steps", type=int, default=20, help="GRPO steps per run")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds: every system runs once per round")
     ap.add_argument("--sft-steps", type=int, default=800, help="SFT warm-start steps of the shared start model")
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny Qwen2")
+    ap.add_argument("--layers", type=int, default=2, help="layers of the tiny Qwen2")
     ap.add_argument("--prompts", type=int, default=32, help="prompts per step")
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (GRPO group size)")
     ap.add_argument("--max-new-tokens", type=int, default=5, help="max completion length, in tokens")
@@ -266,15 +280,15 @@ def main() -> int:
     ap.add_argument("--trl-threads", type=int, default=CORES, help="torch threads of the TRL process (default: all cores)")
     ap.add_argument("--eval-size", type=int, default=500, help="held-out problems (greedy pass@1, pass@8)")
     ap.add_argument("--out", default="runs/bench_grpo_vs_trl", help="folder for models and runs")
-    ap.add_argument("--quick", action="store_true", help="CI-sized smoke: 3 steps, 8 prompts x 4, 20 SFT steps, "
-                    "32 held-out problems")
+    ap.add_argument("--quick", action="store_true", help="CI-sized smoke: 1 round of 3 steps, 8 prompts x 4, "
+                    "20 SFT steps, 32 held-out problems")
     args = ap.parse_args()
     if args.quick:
-        args.steps, args.sft_steps, args.prompts, args.n = 3, 20, 8, 4
+        args.steps, args.sft_steps, args.prompts, args.n, args.rounds = 3, 20, 8, 4, 1
         args.eval_size = 32
-    if args.steps < 1 or args.prompts < 1 or args.n < 2 or args.max_new_tokens < 1 or args.trl_threads < 1 \
-            or args.eval_size < 1:
-        ap.error("need --steps, --prompts, --max-new-tokens, --trl-threads, --eval-size >= 1 and --n >= 2")
+    if min(args.steps, args.prompts, args.max_new_tokens, args.trl_threads, args.eval_size, args.rounds) < 1 \
+            or args.n < 2:
+        ap.error("need --steps, --rounds, --prompts, --max-new-tokens, --trl-threads, --eval-size >= 1 and --n >= 2")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no weight-loading bars in Ray workers (they inherit it)
@@ -282,54 +296,58 @@ def main() -> int:
 
     print(f"machine: {CORES} cores, torch {torch.__version__}; fp32 matmul limit (1024^3): "
           f"{matmul_gflops(1):.0f} GFLOP/s on 1 thread, {matmul_gflops(CORES):.0f} GFLOP/s on {CORES} threads; {load()}")
-    print(f"work per step: {args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} new tokens, "
-          f"temperature 1.0, lr {args.lr:g} (constant), kl_coef {args.kl_coef:g}; {args.steps} steps, "
-          f"median over steps {args.warmup + 1}..{args.steps}", flush=True)
     model_path = start_model(args, out)
+    params = sum(p.numel() for p in load_model(model_path).parameters())
+    print(f"work per step: {args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} new tokens, "
+          f"temperature 1.0, lr {args.lr:g} (constant), kl_coef {args.kl_coef:g}; model {params / 1e6:.2f}M parameters; "
+          f"{args.rounds} rounds of {args.steps} steps, median over steps {args.warmup + 1}..{args.steps}", flush=True)
     eval_cfg = make_cfg(args, out, "eval")
     before = evaluate_model(model_path, eval_cfg, k=8)
     print(f"  start model: held-out pass@1 {before['pass@1']:.1%}, pass@8 {before['pass@8']:.1%} "
           f"({before['problems']} problems)", flush=True)
 
-    results: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {}
     failed: dict[str, str] = {}
 
-    def attempt(name: str, fn) -> None:
+    def attempt(name: str, fn, evaluate: bool) -> None:
+        before_load = os.getloadavg()[0]
         print(f"  running {name} ... ({load()})", flush=True)
         try:
-            with LoadSampler() as sampler:
-                r = fn()
-            r["load"] = sampler.mean
-            r.update(evaluate_model(r["model"], eval_cfg, k=8))
-            results[name] = r
-            print(f"  {name}: median {statistics.median(r['seconds'][args.warmup:] or r['seconds']):.3f} s/step, "
-                  f"wall {r['wall']:.0f} s, pass@1 {r['pass@1']:.1%} ({load()})", flush=True)
+            r = fn()
+            r["load_before"], r["load_after"] = before_load, os.getloadavg()[0]
+            if evaluate:
+                r.update(evaluate_model(r["model"], eval_cfg, k=8))
+            runs.setdefault(name, []).append(r)
+            print(f"  {name}: median {median_step(r, args.warmup):.3f} s/step, wall {r['wall']:.0f} s "
+                  f"(load {r['load_before']:.2f} -> {r['load_after']:.2f})", flush=True)
         except Exception as e:  # one failing system must not hide the others' numbers
             traceback.print_exc()
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
-    if args.plans:
-        from m2flow.runtime import Cluster
+    from m2flow.runtime import Cluster
 
-        cluster = Cluster(cpu_devices=2)  # m2flow and TRL both get every core
-        try:
-            print(f"  {cluster!r}; plans: " + "; ".join(f"{p} = '{PLANS[p]}'" for p in args.plans), flush=True)
-            for plan in args.plans:
-                attempt(f"m2flow {plan}", lambda plan=plan: run_m2flow(args, out, model_path, plan, cluster))
-        finally:
-            cluster.shutdown()
-    if not args.no_trl:
-        torch.set_num_threads(args.trl_threads)
-        attempt("TRL GRPOTrainer", lambda: run_trl(args, out, model_path))
+    for i in range(args.rounds):
+        if args.plans:
+            cluster = Cluster(cpu_devices=2)  # m2flow and TRL both get every core
+            try:
+                if i == 0:
+                    print(f"  {cluster!r}; plans: " + "; ".join(f"{p} = '{PLANS[p]}'" for p in args.plans), flush=True)
+                for plan in args.plans:
+                    attempt(f"m2flow {plan}", lambda plan=plan: run_m2flow(args, out, model_path, plan, cluster), i == 0)
+            finally:
+                cluster.shutdown()  # no Ray daemons beside TRL
+        if not args.no_trl:
+            torch.set_num_threads(args.trl_threads)
+            attempt("TRL GRPOTrainer", lambda: run_trl(args, out, model_path), i == 0)
 
     print()
     print(f"GRPO on {args.prompts} prompts x {args.n} samples per step (2-digit addition, tiny Qwen2 "
-          f"h{eval_cfg.model.tiny_hidden}/l{eval_cfg.model.tiny_layers}, SFT {args.sft_steps} steps), {args.steps} steps; "
-          f"start model held-out pass@1 {before['pass@1']:.1%}, pass@8 {before['pass@8']:.1%}")
-    rows = [summarize(name, r, args.warmup) for name, r in results.items()]
-    print_table(rows, args.steps, failed)
-    record = {"args": vars(args), "cores": CORES, "start": before, "failed": failed,
-              "systems": {n: {k: v for k, v in r.items() if k != "cfg"} for n, r in results.items()}}
+          f"h{args.hidden}/l{args.layers}, {params / 1e6:.2f}M parameters, SFT {args.sft_steps} steps), "
+          f"{args.steps} steps; start model held-out pass@1 {before['pass@1']:.1%}, pass@8 {before['pass@8']:.1%}")
+    ratios = print_rounds(runs, args.warmup) if runs else {}
+    print_table(runs, ratios, args.steps, args.warmup, failed)
+    record = {"args": vars(args), "cores": CORES, "start": before, "failed": failed, "ratios": ratios,
+              "systems": {n: [{k: v for k, v in r.items() if k != "cfg"} for r in rs] for n, rs in runs.items()}}
     (out / "results.json").write_text(json.dumps(record, indent=1))
     for plan in args.plans:
         print(f"m2flow {plan}: cluster.placement '{PLANS[plan]}'")
@@ -337,12 +355,11 @@ def main() -> int:
     print(f"threads: m2flow pipelined = one process per component, pinned to its device's {half} core(s), {half} torch "
           f"thread(s) each; m2flow collocated = one process per component over all {CORES} cores, {CORES} threads, "
           f"taking turns; TRL = this process, torch.set_num_threads({args.trl_threads}).")
-    print(f"speedup vs TRL = TRL's median s/step / the row's; min s/step = fastest timed step (least disturbed by "
-          f"other jobs); per-step numbers: {out / 'results.json'}")
-    print("gen tok/s = generated tokens (eos included) / step time, over the timed steps; held-out = "
-          f"{before['problems']} problems, greedy; pass@8 = any of 8 samples at temperature 1; "
-          f"load = mean 1-minute load average while the system trained ({CORES} cores; above that, "
-          "other jobs were competing for them).")
+    print(f"median s/step = median over rounds of each run's median step; speedup vs TRL = median over quiet rounds of "
+          f"TRL's median s/step / the plan's in the same round; idle = m2flow's time/idle_fraction (median step); "
+          f"per-step numbers: {out / 'results.json'}")
+    print("gen tok/s = generated tokens (eos included) / step time, over the timed steps; held-out (first round's "
+          f"models) = {before['problems']} problems, greedy; pass@8 = any of 8 samples at temperature 1.")
     return 1 if failed else 0
 
 
