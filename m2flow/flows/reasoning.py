@@ -75,7 +75,8 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
             prompts = train_set.next_batch(cfg.rollout.prompts_per_step)
             shards = [prompts[r :: rollout.world_size] for r in range(rollout.world_size)]
             results = wait_all([
-                rollout.call_per_rank("generate", [(s, samples, step, reward.world_size) for s in shards]),
+                rollout.call_per_rank("generate", [(s, samples, step, reward.world_size, plan.micro_batch)
+                                                   for s in shards]),
                 reward.score(samples, scored, step, rollout.world_size, inference.world_size),
                 inference.logprobs(scored, ready, step, plan.micro_batch, reward.world_size, actor.world_size),
                 actor.train(ready, step, inference.world_size),

@@ -15,16 +15,23 @@ END = "__m2flow_end_of_step__"
 
 
 def drain(channel, producers: int = 1, timeout: float | None = None, key=None, alone: bool = False) -> Iterator:
-    """Yield items from `channel` (sub-queue `key`) until `producers` END markers have arrived. `alone`: this consumer
-    has the sub-queue to itself (one consumer rank, or its own key), so it takes everything queued in one round trip;
-    consumers sharing a queue take one item at a time, so that none takes the ENDs meant for another."""
+    """Yield items from `channel` (sub-queue `key`) until `producers` END markers have arrived (see `drain_batches`)."""
+    for items in drain_batches(channel, producers, timeout, key, alone):
+        yield from items
+
+
+def drain_batches(channel, producers: int = 1, timeout: float | None = None, key=None,
+                  alone: bool = False) -> Iterator[list]:
+    """Yield what each round trip to `channel` brought (a non-empty list) until `producers` END markers have arrived.
+    `alone`: this consumer has the sub-queue to itself (one consumer rank, or its own key), so each round trip takes
+    everything queued; consumers sharing a queue take one item at a time, so that none takes another's END."""
     ends = 0
     while ends < producers:
-        for item in channel.get_all(key=key, timeout=timeout) if alone else [channel.get(key=key, timeout=timeout)]:
-            if isinstance(item, str) and item == END:
-                ends += 1
-            else:
-                yield item
+        got = channel.get_all(key=key, timeout=timeout) if alone else [channel.get(key=key, timeout=timeout)]
+        items = [x for x in got if not (isinstance(x, str) and x == END)]
+        ends += len(got) - len(items)
+        if items:
+            yield items
 
 
 def finish(channel, consumers: int = 1, keyed: bool = False) -> None:

@@ -1,5 +1,5 @@
-"""Reward worker: scores each prompt group as it arrives (verifiable rewards with a timeout per call),
-attaches group-relative advantages for GRPO-style algorithms, and streams it on. It does not train.
+"""Reward worker: scores prompt groups as they arrive (verifiable rewards with a timeout per call), attaches
+group-relative advantages for GRPO-style algorithms, and streams them on. It does not train, and needs no device.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from m2flow.algorithms import get_advantage_fn
 from m2flow.runtime import Worker
-from m2flow.workers.common import drain, finish
+from m2flow.workers.common import drain_batches, finish
 from m2flow.workloads.reasoning.rewards import RewardRunner
 from m2flow.workloads.reasoning.tasks import reward_name, reward_timeout
 
@@ -27,21 +27,26 @@ class RewardWorker(Worker):
         """Score groups from `inp` until END; forward kept groups (with `rewards`, `advantages`) to `out`, then one
         END per consumer rank (the consumers share the queue)."""
         rewards, lengths, kept, dropped, timeouts, errors = [], [], 0, 0, 0, 0
-        for group in drain(inp, producers, alone=self.world_size == 1):
-            with self.span("reward", step):  # CPU work beside the device's tenants: it never takes the device lock
-                scores, counters = self.runner.score([(t, group["answer"]) for t in group["texts"]])
-            timeouts += counters["timeouts"]
-            errors += counters["errors"]
-            rewards += scores
-            lengths += [len(r) for r in group["responses"]]
-            if self.cfg.algorithm.dynamic_sampling and len(set(scores)) == 1:
-                dropped += 1  # DAPO: a group whose rewards are all equal carries no signal
-                continue
-            group["rewards"] = scores
-            if self.advantage_fn is not None:
-                group["advantages"] = self.advantage_fn(torch.tensor(scores, dtype=torch.float32), None, len(scores)).tolist()
-            out.put(group, weight=len(scores))
-            kept += 1
+        for groups in drain_batches(inp, producers, alone=self.world_size == 1):
+            scored = []
+            for group in groups:
+                with self.span("reward", step):  # CPU work beside the device's tenants: never takes the device lock
+                    scores, counters = self.runner.score([(t, group["answer"]) for t in group["texts"]])
+                timeouts += counters["timeouts"]
+                errors += counters["errors"]
+                rewards += scores
+                lengths += [len(r) for r in group["responses"]]
+                if self.cfg.algorithm.dynamic_sampling and len(set(scores)) == 1:
+                    dropped += 1  # DAPO: a group whose rewards are all equal carries no signal
+                    continue
+                group["rewards"] = scores
+                if self.advantage_fn is not None:
+                    group["advantages"] = self.advantage_fn(torch.tensor(scores, dtype=torch.float32), None,
+                                                            len(scores)).tolist()
+                scored.append(group)
+            if scored:  # what one round trip brought goes on in one round trip
+                out.put_many(scored, weights=[len(g["rewards"]) for g in scored])
+                kept += len(scored)
         finish(out, consumers)
         n = max(len(rewards), 1)
         return {

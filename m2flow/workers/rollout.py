@@ -34,31 +34,40 @@ class RolloutWorker(Worker):
         self.version = 0
         self.register_offloadable("model", self.model)
 
-    def generate(self, prompts: list[dict], out, step: int, consumers: int = 1) -> dict:
-        """Sample `rollout.n` responses for each prompt {index, ids, answer}; put one group per prompt
-        into `out` as soon as it finishes, then one END per consumer rank. Returns generation metrics."""
+    def generate(self, prompts: list[dict], out, step: int, consumers: int = 1, granularity: int = 1) -> dict:
+        """Sample `rollout.n` responses for each prompt {index, ids, answer}; put finished prompt groups into `out`
+        once `granularity` samples are ready (one round trip per put; 1: each group at once), then one END per
+        consumer rank. Returns generation metrics."""
         r = self.cfg.rollout
         params = SamplingParams(
             n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             stop_token_ids=[self.tokenizer.eos_token_id], seed=self.cfg.run.seed * 1_000_003 + step * 101 + self.rank,
         )
-        tokens = 0
+        tokens, ready = 0, []
+
+        def flush() -> None:
+            if ready:
+                out.put_many(ready, weights=[len(g["responses"]) for g in ready])
+                ready.clear()
 
         def emit(i: int, group) -> None:
             nonlocal tokens
             p = prompts[i]
             tokens += sum(len(g.response_ids) for g in group)
-            out.put({
+            ready.append({
                 "index": p["index"], "prompt_ids": list(p["prompt_ids"]), "answer": p["answer"],
                 "responses": [g.response_ids for g in group], "logprobs": [g.logprobs for g in group],
                 "texts": [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in group],
                 "finish": [g.finish_reason for g in group], "version": self.version,
-            }, weight=len(group))
+            })
+            if sum(len(g["responses"]) for g in ready) >= granularity:
+                flush()
 
         with self.device_phase("generate", step):
             start = time.perf_counter()
             self.engine.generate([p["prompt_ids"] for p in prompts], params, on_group_done=emit)
             seconds = time.perf_counter() - start
+            flush()
         finish(out, consumers)
         return {"rollout/tokens": tokens, "rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
 

