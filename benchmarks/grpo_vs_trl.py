@@ -205,6 +205,15 @@ def run_trl(args, out: Path, model_path: str) -> dict:
 BUSY = 1.0  # a run that starts above this 1-minute load average was disturbed by other jobs
 
 
+def wait_quiet(limit: float) -> float:
+    """Wait (at most `limit` s) until the 1-minute load average is at or below BUSY; returns the seconds waited. On 2
+    cores a run that used both leaves the average near 2, and it decays with a 1-minute time constant (~45 s)."""
+    start = time.monotonic()
+    while os.getloadavg()[0] > BUSY and time.monotonic() - start < limit:
+        time.sleep(2)
+    return time.monotonic() - start
+
+
 def median_step(r: dict, warmup: int) -> float:
     return statistics.median(r["seconds"][warmup:] or r["seconds"])
 
@@ -264,6 +273,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20, help="GRPO steps per run")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds: every system runs once per round")
+    ap.add_argument("--settle", type=float, default=120, help="before each run, wait up to this many seconds for the "
+                    "1-minute load average to fall to 1.0 (the previous run's own load lingers in it)")
     ap.add_argument("--sft-steps", type=int, default=800, help="SFT warm-start steps of the shared start model")
     ap.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny Qwen2")
     ap.add_argument("--layers", type=int, default=2, help="layers of the tiny Qwen2")
@@ -310,7 +321,10 @@ def main() -> int:
     failed: dict[str, str] = {}
 
     def attempt(name: str, fn, evaluate: bool) -> None:
+        waited = wait_quiet(args.settle)  # the previous run's own load lingers in the 1-minute average
         before_load = os.getloadavg()[0]
+        if waited:
+            print(f"  waited {waited:.0f} s for the load to settle", flush=True)
         print(f"  running {name} ... ({load()})", flush=True)
         try:
             r = fn()
