@@ -44,7 +44,10 @@ CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os
 PLANS = {  # name -> cluster.placement over two CPU devices, each half of the cores (one core each on 2 cores)
     "pipelined": "rollout: 0; reward,inference,actor: 1",
     "collocated": "rollout,reward,inference,actor: 0-1:0",
+    "pipelined_async": "rollout: 0; reward,inference,actor: 1",
+    "collocated_async": "rollout,reward,inference,actor: 0-1:0",
 }
+STALENESS = {"pipelined_async": 1, "collocated_async": 1}  # algorithm.max_staleness per plan (0 when absent)
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -124,7 +127,8 @@ def load() -> str:
 
 
 def run_m2flow(args, out: Path, model_path: str, plan: str, cluster) -> dict:
-    cfg = make_cfg(args, out, f"m2flow_{plan}", [f"model.path={model_path}", "sft.steps=0"])
+    cfg = make_cfg(args, out, f"m2flow_{plan}", [f"model.path={model_path}", "sft.steps=0",
+                                                 f"algorithm.max_staleness={STALENESS.get(plan, 0)}"])
     cfg.cluster.placement = PLANS[plan]
     shutil.rmtree(cfg.run.path, ignore_errors=True)
     t = time.perf_counter()
@@ -286,7 +290,8 @@ def main() -> int:
     ap.add_argument("--kl-coef", type=float, default=0.0, help="KL coefficient (m2flow algorithm.kl_coef = TRL beta)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the median (warm-up)")
-    ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS), help="m2flow plans to run")
+    ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS),
+                    help="m2flow plans to run (*_async: algorithm.max_staleness=1)")
     ap.add_argument("--no-trl", action="store_true", help="run m2flow only")
     ap.add_argument("--trl-threads", type=int, default=CORES, help="torch threads of the TRL process (default: all cores)")
     ap.add_argument("--eval-size", type=int, default=500, help="held-out problems (greedy pass@1, pass@8)")
@@ -364,7 +369,8 @@ def main() -> int:
               "systems": {n: [{k: v for k, v in r.items() if k != "cfg"} for r in rs] for n, rs in runs.items()}}
     (out / "results.json").write_text(json.dumps(record, indent=1))
     for plan in args.plans:
-        print(f"m2flow {plan}: cluster.placement '{PLANS[plan]}'")
+        print(f"m2flow {plan}: cluster.placement '{PLANS[plan]}'"
+              + (f", algorithm.max_staleness={STALENESS[plan]}" if plan in STALENESS else ""))
     half = max(1, CORES // 2)
     print(f"threads: m2flow pipelined = one process per component, pinned to its device's {half} core(s), {half} torch "
           f"thread(s) each; m2flow collocated = one process per component over all {CORES} cores, {CORES} threads, "

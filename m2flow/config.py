@@ -326,6 +326,10 @@ class AlgorithmConfig:
     old_logprobs: str = opt("auto", "old-policy logprobs of the PPO ratio: recompute (an inference forward pass) | "
                                     "rollout (the engine's behaviour logprobs) | auto (rollout when each sample is "
                                     "trained on once, 1 epoch and 1 mini-batch, so the ratio is 1; else recompute)")
+    max_staleness: int = opt(0, "bounded off-policy: the rollout of the next N steps runs while the actor trains, on "
+                                "weights at most N versions old (0: on-policy, rollout and training take turns)")
+    behaviour_weight_cap: float = opt(2.0, "max_staleness >= 1: cap on the behaviour importance weight "
+                                           "pi_prox / pi_behaviour of each token (truncated importance sampling)")
 
 
 @dataclass
@@ -376,12 +380,24 @@ class ReasoningConfig:
         if self.algorithm.old_logprobs not in ("auto", "recompute", "rollout"):
             raise ConfigError(f"algorithm.old_logprobs must be auto | recompute | rollout, "
                               f"got '{self.algorithm.old_logprobs}'")
+        alg = self.algorithm
+        if not isinstance(alg.max_staleness, int) or alg.max_staleness < 0:
+            raise ConfigError(f"algorithm.max_staleness must be an integer >= 0, got {alg.max_staleness!r}")
+        if alg.behaviour_weight_cap < 1.0:
+            raise ConfigError(f"algorithm.behaviour_weight_cap must be >= 1, got {alg.behaviour_weight_cap}")
+        if alg.max_staleness and alg.old_logprobs == "recompute":
+            raise ConfigError("algorithm.old_logprobs=recompute needs on-policy rollouts (max_staleness=0): with "
+                              f"max_staleness={alg.max_staleness} the actor computes the proximal logprobs itself "
+                              "(decoupled PPO); use auto, or rollout for a plain PPO ratio against the behaviour policy")
 
     def recompute_old_logprobs(self) -> bool:
         """Whether the inference stage runs a forward pass for the old-policy logprobs. Without it the ratio uses the
         rollout engine's behaviour logprobs (temperature-scaled, untruncated: equal to the trainer's to ~1e-5). `auto`
         skips the pass when every sample is trained on once by the policy that generated it (1 epoch, 1 mini-batch,
-        weights synced after every step), where the ratio is 1 anyway, as TRL does."""
+        weights synced after every step), where the ratio is 1 anyway, as TRL does. Off-policy (`max_staleness` >= 1)
+        the actor computes the proximal logprobs itself, so the inference stage never does."""
+        if self.algorithm.max_staleness:
+            return False
         if self.algorithm.old_logprobs == "auto":
             return self.actor.epochs > 1 or self.actor.mini_batches > 1
         return self.algorithm.old_logprobs == "recompute"

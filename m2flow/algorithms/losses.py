@@ -82,6 +82,36 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     return loss, metrics
 
 
+def behaviour_weights(prox_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor | None,
+                      cap: float = 2.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled PPO's behaviour importance weight per token, truncated: w = min(exp(prox - behaviour), cap).
+
+    Off-policy samples come from a behaviour policy older than the proximal policy the PPO ratio is clipped
+    against (the policy at the start of this update). Scaling each token's advantage by w corrects for that
+    gap, and the cap bounds the variance a very stale or unlucky token can add (truncated importance sampling).
+    Inputs [B, T]; returns (w [B, T], detached, 1 outside the mask; metrics). metrics: behaviour_weight_mean,
+    behaviour_weight_max (before the cap), behaviour_capfrac (tokens whose weight was capped), over valid tokens.
+    """
+    if prox_logprobs.shape != behaviour_logprobs.shape:
+        raise ValueError(f"prox and behaviour logprobs must share one shape, got {tuple(prox_logprobs.shape)} "
+                         f"and {tuple(behaviour_logprobs.shape)}")
+    if cap < 1.0:
+        raise ValueError(f"behaviour weight cap must be >= 1, got {cap}")
+    with torch.no_grad():
+        m = as_mask(mask, prox_logprobs)
+        log_w = torch.where(m, prox_logprobs.float() - behaviour_logprobs.float(), torch.zeros_like(prox_logprobs))
+        raw = torch.exp(log_w.clamp(max=_MAX_LOG_RATIO))
+        w = raw.clamp(max=cap)
+        has = m.any()
+        one = torch.ones((), dtype=w.dtype, device=w.device)
+        metrics = {
+            "behaviour_weight_mean": torch.where(has, masked_mean(w, m), one),
+            "behaviour_weight_max": torch.where(has, torch.where(m, raw, -torch.inf).max(), one),
+            "behaviour_capfrac": (m & (raw > cap)).sum().to(w.dtype) / m.sum().clamp(min=1).to(w.dtype),
+        }
+    return w, metrics
+
+
 def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor | None,
               clip_low: float = 3e-4, clip_high: float | None = 4e-4, dual_clip: float | None = None,
               agg: str = "seq-mean-token-mean",

@@ -1,13 +1,15 @@
 """Reasoning RL (GRPO / PPO on a causal LM): the macro flow, one driver for every plan.
 
 rollout -> reward -> inference (old/ref logprobs) -> actor, connected by channels. Whether the stages
-take turns on shared devices or stream micro-batches between devices lives in the plan, not here.
+take turns on shared devices or stream micro-batches between devices lives in the plan, not here. With
+`algorithm.max_staleness: N` the rollout of the next N steps runs while the actor trains (docs/algorithms.md).
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -55,7 +57,10 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
                                   (ActorWorker, plan["actor"], (cfg, model_path))], run_dir=str(run.path))
     rollout, reward, inference, actor = groups
     tag = f"{run.path.resolve()}:{time.time_ns()}"
-    samples, scored, ready = (Channel.create(f"{tag}/{n}", maxsize=plan.channel_maxsize) for n in ("samples", "scored", "ready"))
+    lag = cfg.algorithm.max_staleness
+    # one set of channels per step in flight (max_staleness + 1), so that no stage reads another step's items
+    slots = [tuple(Channel.create(f"{tag}/{n}{i}", maxsize=plan.channel_maxsize) for n in ("samples", "scored", "ready"))
+             for i in range(lag + 1)]
 
     start = 0
     if cfg.run.resume and (found := run.latest_checkpoint()):
@@ -66,21 +71,30 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
     receivers = [rollout, inference] if cfg.recompute_old_logprobs() else [rollout]  # who holds the current policy
     sync_weights(actor, receivers, check=cfg.rollout.check_weight_sync)
 
+    def produce(k: int) -> tuple:
+        """Start step k's rollout -> reward -> inference on the weights the rollout holds now; returns (the data
+        loader's state before step k's prompts, the stages' handles, the channel step k's training batches arrive on)."""
+        samples, scored, ready = slots[k % (lag + 1)]
+        data_state = train_set.state_dict()
+        prompts = train_set.next_batch(cfg.rollout.prompts_per_step)
+        shards = [prompts[r :: rollout.world_size] for r in range(rollout.world_size)]
+        return data_state, [
+            rollout.call_per_rank("generate", [(s, samples, k, reward.world_size, plan.micro_batch) for s in shards]),
+            reward.score(samples, scored, k, rollout.world_size, inference.world_size),
+            inference.logprobs(scored, ready, k, plan.micro_batch, reward.world_size, actor.world_size),
+        ], ready
+
     devices = sorted({d for g in groups for devs in g.placement.rank_devices for d in devs})
-    last, trace = {}, []
+    last, trace, in_flight, produced = {}, [], deque(), start
     with progress(cfg.run.progress) as bar:
         task = bar.add_task(cfg.algorithm.name, total=cfg.run.steps, completed=start, info="")
         for step in range(start, cfg.run.steps):
             t0, w0 = time.perf_counter(), time.time()
-            prompts = train_set.next_batch(cfg.rollout.prompts_per_step)
-            shards = [prompts[r :: rollout.world_size] for r in range(rollout.world_size)]
-            results = wait_all([
-                rollout.call_per_rank("generate", [(s, samples, step, reward.world_size, plan.micro_batch)
-                                                   for s in shards]),
-                reward.score(samples, scored, step, rollout.world_size, inference.world_size),
-                inference.logprobs(scored, ready, step, plan.micro_batch, reward.world_size, actor.world_size),
-                actor.train(ready, step, inference.world_size),
-            ])
+            while produced < cfg.run.steps and produced <= step + lag:  # keep `lag` steps of rollout ahead of training
+                in_flight.append(produce(produced))
+                produced += 1
+            _, handles, ready = in_flight.popleft()
+            results = wait_all([*handles, actor.train(ready, step, inference.world_size)])
             t1 = time.perf_counter()
             sync_weights(actor, receivers, check=cfg.rollout.check_weight_sync)
             t2, w2 = time.perf_counter(), time.time()
@@ -91,7 +105,8 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
                          "throughput/tokens_per_s": last.get("rollout/tokens", 0) / (t2 - t0)})
             run.log(step + 1, last)
             if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps:
-                save_checkpoint(run, step + 1, actor, train_set)
+                # a resume regenerates the steps in flight: it restarts the data where step + 1's prompts began
+                save_checkpoint(run, step + 1, actor, in_flight[0][0] if in_flight else train_set.state_dict())
             bar.update(task, advance=1, info=f"reward {last['reward/mean']:.3f}  acc {last['reward/accuracy']:.2f}")
 
     if cfg.run.trace:
@@ -105,7 +120,7 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
         write_plan_report(run.path)
     for g in groups:
         g.kill()
-    for ch in (samples, scored, ready):
+    for ch in (c for slot in slots for c in slot):
         ch.destroy()
     return {"metrics": last, "run_dir": str(run.path), "plan": plan.to_dict(),
             "final_model": str(run.path / "checkpoints" / f"step_{cfg.run.steps}" / "model")}
@@ -165,10 +180,10 @@ def sft_model(model_path: str, out: str, cfg: ReasoningConfig, progress: bool = 
     return losses
 
 
-def save_checkpoint(run: RunDir, step: int, actor, train_set) -> None:
+def save_checkpoint(run: RunDir, step: int, actor, data_state: dict) -> None:
     def write(tmp: Path) -> None:
         actor.save_checkpoint(str(tmp)).wait()  # every rank writes its shards
-        torch.save({"data": train_set.state_dict(), "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
+        torch.save({"data": data_state, "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
                     "step": step}, tmp / "driver.pt")
 
     run.save_checkpoint(step, write)

@@ -66,6 +66,8 @@ class Cluster:
         if self._started:
             # address="local": start a new instance, never attach to a stray one (RAY_ADDRESS, `ray start`)
             args = dict(address=address) if address else dict(address="local", num_cpus=num_cpus)
+            if not address:  # Ray starts workers at nice 15: beside any other busy process they would barely run
+                os.environ.setdefault("RAY_worker_niceness", "0")
             try:
                 ray.init(include_dashboard=False, logging_level=logging.WARNING, **args)
             except Exception as e:  # Ray gives a local node 30 s to start; an overloaded machine may need a retry

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from m2flow.algorithms import get_kl_estimator, masked_mean, policy_loss
+from m2flow.algorithms import behaviour_weights, get_kl_estimator, masked_mean, policy_loss
 from m2flow.engines.fsdp import (
     all_reduce,
     export_hf,
@@ -24,7 +24,7 @@ from m2flow.engines.fsdp import (
     shard_model,
 )
 from m2flow.engines.hf import load_model, load_tokenizer
-from m2flow.engines.train import token_logprobs_and_entropy
+from m2flow.engines.train import token_logprobs, token_logprobs_and_entropy
 from m2flow.runtime import Worker
 from m2flow.runtime.weights import publish
 from m2flow.types import Batch
@@ -63,6 +63,8 @@ class ActorWorker(Worker):
         total = cfg.run.steps * a.mini_batches * a.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(a.lr_schedule, a.warmup_steps, total))
         self.kl = get_kl_estimator(cfg.algorithm.kl_estimator) if cfg.algorithm.kl_coef > 0 else None
+        # off-policy: clip against the proximal policy (this step's own), weight by proximal / behaviour (decoupled PPO)
+        self.decoupled = cfg.algorithm.max_staleness > 0 and cfg.algorithm.old_logprobs == "auto"
         self.version = 0
         if not self.sharded:  # context switching moves plain tensors; sharded (DTensor) state stays put
             self.register_offloadable("model", self.model)
@@ -71,25 +73,30 @@ class ActorWorker(Worker):
     # -- training ------------------------------------------------------------------------------
     def train(self, inp, step: int, producers: int = 1) -> dict:
         """One training step on every micro-batch from `inp` (until END). The gradient is the sample-weighted
-        mean over the whole global batch, on one rank or summed over data-parallel ranks."""
+        mean over the whole global batch, on one rank or summed over data-parallel ranks. Samples generated more
+        than `algorithm.max_staleness` weight versions ago are dropped, never trained on (`actor/stale_dropped`)."""
         a = self.cfg.actor
         stats: list[tuple[int, dict]] = []
+        ages: list[torch.Tensor] = []
         if a.mini_batches == 1 and a.epochs == 1:
             self.optimizer.zero_grad(set_to_none=True)
             seen = 0
             for share in drain(inp, producers, key=self.key, alone=True):
+                share, real = self._fresh(share, ages)
                 with self.device_phase("train", step):
-                    seen += self._backward(share.split(a.micro_batch), stats, real=share.meta.get("weight", 1) != 0)
+                    seen += self._backward(share.split(a.micro_batch), stats, real=real)
             with self.device_phase("optimizer", step):
                 grad_norm, samples = self._step(seen)
             grad_norms = [grad_norm]
         else:
-            shares = list(drain(inp, producers, key=self.key, alone=True))
-            real = [s for s in shares if s.meta.get("weight", 1) != 0]
-            full = Batch.concat(real or shares[:1], pad_value={"input_ids": self.tokenizer.pad_token_id})
+            shares = [self._fresh(s, ages) for s in drain(inp, producers, key=self.key, alone=True)]
+            real = [s for s, is_real in shares if is_real]
+            full = Batch.concat(real or [shares[0][0]], pad_value={"input_ids": self.tokenizer.pad_token_id})
             gen = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + step)
             grad_norms, samples = [], 0
             with self.device_phase("train", step):
+                if self.decoupled:  # the proximal policy: this step's weights, before its first update
+                    full["prox_logprobs"] = self._logprobs(full)
                 for _ in range(a.epochs):
                     order = torch.randperm(len(full), generator=gen)
                     for rows in torch.tensor_split(order, a.mini_batches):
@@ -101,9 +108,36 @@ class ActorWorker(Worker):
                         samples += learned
         self.version += 1
         out = weighted_mean(stats)
+        age = torch.cat(ages) if ages else torch.zeros(0, dtype=torch.long)
+        kept = age[age <= self.cfg.algorithm.max_staleness]
         out.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": self.scheduler.get_last_lr()[0],
-                    "actor/samples": samples})
+                    "actor/samples": samples, "actor/stale_dropped": int((age > self.cfg.algorithm.max_staleness).sum()),
+                    "actor/staleness_mean": float(kept.float().mean()) if len(kept) else 0.0,
+                    "actor/staleness_max": int(kept.max()) if len(kept) else 0})
         return out
+
+    def _fresh(self, share: Batch, ages: list) -> tuple[Batch, bool]:
+        """`share` without the samples older than `max_staleness` versions, and whether it still carries samples (a
+        share that carries none keeps one row, so that sharded ranks still run their collectives, and learns nothing).
+        Appends every sample's age (actor version - generating version) to `ages`."""
+        if share.meta.get("weight", 1) == 0:
+            return share, False
+        age = self.version - share["versions"]
+        ages.append(age)
+        fresh = age <= self.cfg.algorithm.max_staleness
+        stale = int((~fresh).sum())
+        if stale == 0:
+            return share, True
+        if stale == len(share):
+            return share.select(slice(0, 1)), False
+        return share.select(fresh), True
+
+    def _logprobs(self, batch: Batch) -> torch.Tensor:
+        """Token logprobs of `batch` under the current weights, no gradient, a micro-batch at a time."""
+        with torch.no_grad():
+            parts = [token_logprobs(self.model, m.tensors, self.cfg.rollout.temperature)
+                     for m in batch.split(self.cfg.actor.micro_batch)]
+        return Batch.concat([Batch({"lp": p}) for p in parts])["lp"]
 
     def _backward(self, micros: list[Batch], stats: list, real: bool = True, filler: Batch | None = None) -> int:
         """Accumulate sum-of-sample-losses gradients over `micros`; returns the samples learned from. Sharded ranks
@@ -128,9 +162,14 @@ class ActorWorker(Worker):
         mask = micro["response_mask"].float()
         logprobs, entropy = token_logprobs_and_entropy(self.model, micro.tensors, self.cfg.rollout.temperature)
         advantages = micro["advantages"].view(-1, 1) * mask
-        loss, metrics = policy_loss(logprobs, micro["old_logprobs"], advantages, mask, clip_low=alg.clip_low,
+        old, extra = micro["old_logprobs"], {}
+        if self.decoupled:  # PPO clips against the proximal policy; the behaviour gap is an importance weight
+            prox = micro["prox_logprobs"] if "prox_logprobs" in micro else logprobs.detach()
+            weights, extra = behaviour_weights(prox, old, mask, alg.behaviour_weight_cap)
+            advantages, old = advantages * weights, prox
+        loss, metrics = policy_loss(logprobs, old, advantages, mask, clip_low=alg.clip_low,
                                     clip_high=alg.clip_high, dual_clip=alg.dual_clip, agg=alg.loss_agg)
-        metrics = {f"actor/{k}": float(v) for k, v in metrics.items()}
+        metrics = {f"actor/{k}": float(v) for k, v in (metrics | extra).items()}
         metrics["actor/pg_loss"] = float(loss.detach())
         ent = masked_mean(entropy, mask)
         metrics["actor/entropy"] = float(ent.detach())

@@ -17,11 +17,13 @@ from m2flow.workers.common import drain, finish, route
 
 
 def groups_to_batch(groups: list[dict], pad_id: int) -> Batch:
-    """Flatten prompt groups into one padded Batch of samples (see engines.train.collate for the layout)."""
-    pairs, rewards, advantages, rollout_lp = [], [], [], []
+    """Flatten prompt groups into one padded Batch of samples (see engines.train.collate for the layout), with each
+    sample's reward, advantage, behaviour logprobs and the weight version that generated it."""
+    pairs, rewards, advantages, rollout_lp, versions = [], [], [], [], []
     for g in groups:
         for i, resp in enumerate(g["responses"]):
             pairs.append((g["prompt_ids"], resp))
+            versions.append(g.get("version", 0))
             rewards.append(g["rewards"][i])
             advantages.append(g["advantages"][i] if "advantages" in g else 0.0)
             rollout_lp.append(g["logprobs"][i])
@@ -29,6 +31,7 @@ def groups_to_batch(groups: list[dict], pad_id: int) -> Batch:
     batch = Batch(dict(t))
     batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
     batch["advantages"] = torch.tensor(advantages, dtype=torch.float32)
+    batch["versions"] = torch.tensor(versions, dtype=torch.long)  # the weight version that generated each sample
     lp = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
     for row, values in enumerate(rollout_lp):
         cols = batch["response_mask"][row].nonzero().view(-1)

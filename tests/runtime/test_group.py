@@ -33,6 +33,9 @@ class Calc(Worker):
     def whoami(self):
         return self.rank
 
+    def niceness(self):
+        return os.nice(0)
+
     def init_seen(self):
         return self.seen_at_init
 
@@ -99,6 +102,12 @@ def test_calls_return_per_rank_results_in_rank_order(calc):
     assert calc.world_size == 2 and calc.component == "calc"
     assert calc.add(1).wait(timeout=30) == [101, 102]
     assert calc.init_seen().wait() == [("calc", 0, 2, [0]), ("calc", 1, 2, [1])]
+
+
+def test_workers_run_at_the_drivers_priority(calc):
+    """Ray's default starts workers at nice 15: beside one busy process per core they got almost no CPU, and a run
+    (or this suite) crawled for minutes per step. A local cluster starts them at nice 0."""
+    assert calc.niceness().wait(timeout=30) == [os.nice(0)] * 2
 
 
 def test_wall_times_are_measured_in_the_worker(calc):

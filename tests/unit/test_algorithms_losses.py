@@ -291,3 +291,21 @@ def test_value_loss_time_major_without_mask():
     v, old, ret = torch.zeros(4, 3), torch.zeros(4, 3), torch.ones(4, 3)
     loss, _ = value_loss(v, old, ret)                          # [T, N], every element valid
     close(loss, 0.5)
+
+
+def test_behaviour_weights_are_truncated_importance_ratios():
+    from m2flow.algorithms import behaviour_weights
+
+    prox = torch.tensor([[0.0, math.log(2.0), math.log(5.0), 3.0]])
+    behaviour = torch.tensor([[0.0, 0.0, 0.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last token is padding: ignored, weight 1
+    w, m = behaviour_weights(prox, behaviour, mask, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 2.0, 1.0]]))
+    assert not w.requires_grad
+    assert float(m["behaviour_weight_mean"]) == pytest.approx(5.0 / 3.0)
+    assert float(m["behaviour_weight_max"]) == pytest.approx(5.0)  # before the cap
+    assert float(m["behaviour_capfrac"]) == pytest.approx(1.0 / 3.0)  # 2.0 sits on the cap, 5.0 is over it
+    with pytest.raises(ValueError, match="cap must be >= 1"):
+        behaviour_weights(prox, behaviour, mask, cap=0.5)
+    with pytest.raises(ValueError, match="share one shape"):
+        behaviour_weights(prox, behaviour[:, :2], mask)
