@@ -88,7 +88,8 @@ def make_cfg(args, out: Path, name: str, extra: list[str] = ()) -> C.ReasoningCo
         f"run.dir={out}", f"run.name={name}", f"run.steps={args.steps}", f"run.seed={args.seed}", "run.save_every=0",
         "run.progress=false", "run.trace=false", f"sft.steps={args.sft_steps}",
         f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        f"actor.lr={args.lr}", f"algorithm.kl_coef={args.kl_coef}", f"data.eval_size={args.eval_size}", *extra,
+        f"actor.lr={args.lr}", f"actor.micro_batch={args.micro_batch}", f"algorithm.kl_coef={args.kl_coef}",
+        f"data.eval_size={args.eval_size}", *extra,
     ]
     return C.load(C.ReasoningConfig, BASE, overrides)
 
@@ -287,6 +288,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=5, help="max completion length, in tokens")
     ap.add_argument("--lr", type=float, default=1e-4, help="learning rate (constant; 5e-4 lowers the 800-step SFT "
                     "model's held-out accuracy in both systems)")
+    ap.add_argument("--micro-batch", type=int, default=32, help="m2flow actor.micro_batch: samples per forward/backward "
+                    "(TRL runs the whole batch at once, per_device_train_batch_size = prompts x n)")
     ap.add_argument("--kl-coef", type=float, default=0.0, help="KL coefficient (m2flow algorithm.kl_coef = TRL beta)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the median (warm-up)")

@@ -5,6 +5,8 @@ Pure torch on a model object: no runtime, no distributed code, no RL losses (tho
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import random
 from typing import Sequence
@@ -47,36 +49,60 @@ def collate(samples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int)
     }
 
 
-def _logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Forward pass -> logits [B, L, V] (logits[:, t] predict the token at t + 1)."""
+def _first_needed(batch: dict[str, torch.Tensor]) -> int:
+    """The first position whose logits predict a response token: the earliest response start minus one."""
+    cols = batch["response_mask"].any(dim=0).nonzero()
+    return max(int(cols[0]) - 1, 0) if len(cols) else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _keeps_logits(model_type: type) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model_type.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _logits(model, batch: dict[str, torch.Tensor], start: int = 0) -> torch.Tensor:
+    """Forward pass -> logits [B, L - start, V] of positions start..L-1 (logits[:, j] predict the token at
+    start + j + 1). Models that take `logits_to_keep` (HF Llama/Qwen family) project only those positions
+    onto the vocabulary; the prompt's hidden states never meet the (often huge) output layer."""
     device = next(model.parameters()).device
+    keep = {"logits_to_keep": batch["input_ids"].shape[1] - start} if start and _keeps_logits(type(model)) else {}
     out = model(
         input_ids=batch["input_ids"].to(device),
         attention_mask=batch["attention_mask"].to(device),
         position_ids=batch["position_ids"].to(device) if "position_ids" in batch else None,
         use_cache=False,
+        **keep,
     )
-    return out.logits
+    return out.logits if keep else out.logits[:, start:]
 
 
 def _shifted_stats(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool, chunk_rows: int = 8
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool, start: int = 0,
+    entropy_grad: bool = True, chunk_rows: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [B, L, V], input_ids [B, L] -> token-aligned logprobs [B, L] (and entropy [B, L]); column 0 is 0.
+    """logits [B, L - start, V] of positions start..L-1, input_ids [B, L] -> token-aligned logprobs [B, L] (and
+    entropy [B, L]); columns 0..start are 0.
 
     logprob = z[token] - logsumexp(z) with z = logits / temperature, in float32, a few rows at a time so
-    that only one [chunk_rows, L, V] temporary exists besides the logits.
+    that only one [chunk_rows, L, V] temporary exists besides the logits. `entropy_grad=False`: the entropy is a
+    metric only, computed without building a graph.
     """
-    B, L, _ = logits.shape
-    targets = input_ids[:, 1:].to(logits.device)
+    B = logits.shape[0]
+    targets = input_ids[:, start + 1:].to(logits.device)
     logps, ents = [], []
-    for start in range(0, B, chunk_rows):
-        z = logits[start : start + chunk_rows, :-1].float() / temperature  # [b, L-1, V]
+    for first in range(0, B, chunk_rows):
+        z = logits[first : first + chunk_rows, :-1].float()  # [b, L-1-start, V]
+        if temperature != 1.0:
+            z = z / temperature
         lse = torch.logsumexp(z, dim=-1)
-        logps.append(z.gather(-1, targets[start : start + chunk_rows, :, None]).squeeze(-1) - lse)
+        logps.append(z.gather(-1, targets[first : first + chunk_rows, :, None]).squeeze(-1) - lse)
         if with_entropy:
-            ents.append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
-    zero = logits.new_zeros((B, 1), dtype=torch.float32)
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ents.append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
+    zero = logits.new_zeros((B, start + 1), dtype=torch.float32)
     logp = torch.cat([zero, torch.cat(logps)], dim=1)
     ent = torch.cat([zero, torch.cat(ents)], dim=1) if with_entropy else None
     return logp, ent
@@ -88,18 +114,23 @@ def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float = 1
     π is softmax(logits / temperature), the same distribution `HFEngine` reports logprobs under.
     Differentiable: call under torch.no_grad() for inference-only use.
     """
-    logp, _ = _shifted_stats(_logits(model, batch), batch["input_ids"], temperature, with_entropy=False)
+    start = _first_needed(batch)
+    logp, _ = _shifted_stats(_logits(model, batch, start), batch["input_ids"], temperature, with_entropy=False,
+                             start=start)
     return logp * batch["response_mask"].to(logp.device)
 
 
 def token_logprobs_and_entropy(
-    model, batch: dict[str, torch.Tensor], temperature: float = 1.0
+    model, batch: dict[str, torch.Tensor], temperature: float = 1.0, entropy_grad: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """([B, L] logprobs, [B, L] entropy), both token-aligned and 0 outside the response.
 
-    entropy[b, t] is the entropy of the distribution that sampled the token at t (logits at t-1).
+    entropy[b, t] is the entropy of the distribution that sampled the token at t (logits at t-1). With
+    `entropy_grad=False` it carries no gradient (a metric: no graph built for it).
     """
-    logp, ent = _shifted_stats(_logits(model, batch), batch["input_ids"], temperature, with_entropy=True)
+    start = _first_needed(batch)
+    logp, ent = _shifted_stats(_logits(model, batch, start), batch["input_ids"], temperature, with_entropy=True,
+                               start=start, entropy_grad=entropy_grad)
     mask = batch["response_mask"].to(logp.device)
     return logp * mask, ent * mask
 

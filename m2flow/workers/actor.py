@@ -160,7 +160,8 @@ class ActorWorker(Worker):
     def _loss(self, micro: Batch) -> tuple[torch.Tensor, dict]:
         alg = self.cfg.algorithm
         mask = micro["response_mask"].float()
-        logprobs, entropy = token_logprobs_and_entropy(self.model, micro.tensors, self.cfg.rollout.temperature)
+        logprobs, entropy = token_logprobs_and_entropy(self.model, micro.tensors, self.cfg.rollout.temperature,
+                                                       entropy_grad=bool(alg.entropy_coef))
         advantages = micro["advantages"].view(-1, 1) * mask
         old, extra = micro["old_logprobs"], {}
         if self.decoupled:  # PPO clips against the proximal policy; the behaviour gap is an importance weight

@@ -8,6 +8,7 @@ import torch
 
 from m2flow.engines.base import SamplingParams
 from m2flow.engines.hf import HFEngine, init_tiny_model, load_model, load_tokenizer
+from m2flow.engines import train as train_mod
 from m2flow.engines.train import collate, sft, token_logprobs, token_logprobs_and_entropy
 from m2flow.workloads.reasoning.synthetic import arithmetic
 
@@ -202,6 +203,36 @@ def test_token_logprobs_and_entropy_vs_naive_loop(model):
                 dist = torch.log_softmax(logits, -1)
                 assert abs(lp[b, t].item() - dist[seq[t]].item()) < 1e-5
                 assert abs(ent[b, t].item() + (dist.exp() * dist).sum().item()) < 1e-5
+
+
+class WithoutLogitsToKeep(torch.nn.Module):
+    """An HF-style causal LM whose forward has no `logits_to_keep`: the full logits, sliced afterwards."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
+
+
+def test_logits_of_the_prompt_prefix_are_never_computed_and_change_nothing(model):
+    """Prompts of 4 and 3 tokens: the logits start at position 2 (the first that predicts a response token); the
+    result equals the full-logits computation, with and without `logits_to_keep` in the model's forward."""
+    samples = [([5, 6, 7, 4], [8, 9]), ([10, 3, 2], [11, 12, 13])]
+    batch = collate(samples, pad_id=0)
+    assert train_mod._first_needed(batch) == 2
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids=batch["input_ids"]).logits.float(), -1)
+        want = torch.zeros_like(batch["response_mask"])
+        want[:, 1:] = full[:, :-1].gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+        want *= batch["response_mask"]
+        assert train_mod._logits(model, batch, 2).shape[1] == batch["input_ids"].shape[1] - 2
+        torch.testing.assert_close(token_logprobs(model, batch), want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(token_logprobs(WithoutLogitsToKeep(model), batch), want, rtol=0, atol=1e-5)
+    lp, ent = token_logprobs_and_entropy(model, batch, entropy_grad=False)
+    assert lp.requires_grad and not ent.requires_grad
+    assert token_logprobs_and_entropy(model, batch)[1].requires_grad
 
 
 def test_sft_lowers_loss_on_arithmetic(model, tok):
