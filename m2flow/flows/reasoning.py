@@ -129,7 +129,7 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
 def sync_weights(actor, receivers, check: bool) -> None:
     """The actor publishes its weights once (rank 0, gathered from every rank if sharded); every receiver rank loads
     them in place."""
-    weights = actor.publish_weights().wait()[0]
+    weights = actor.publish_weights(check).wait()[0]
     digests = [d for h in wait_all([g.load_weights(weights) for g in receivers]) for d in h]
     if check and any(d != weights.digest for d in digests):
         raise RuntimeError(f"weight sync v{weights.version}: a receiver's weights differ from the actor's")

@@ -24,7 +24,7 @@ class WeightsRef:
 
     version: int
     ref: list  # [ObjectRef per bucket], wrapped in a list so Ray passes the references themselves, not their values
-    digest: str
+    digest: str | None  # state_digest of the weights; None when the sender did not ask receivers to check them
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -49,17 +49,19 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
 
 
 def publish(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
-            bucket_bytes: int = BUCKET_BYTES) -> WeightsRef:
+            bucket_bytes: int = BUCKET_BYTES, digest: bool = True) -> WeightsRef:
     """Put a state dict into the object store in buckets of about `bucket_bytes`; receivers on the same node read
     them zero-copy, others get them moved by Ray (one copy per node: a broadcast). `state` may be a dict or an
-    iterator of (name, tensor) in sorted name order, e.g. tensors gathered one at a time from a sharded model."""
+    iterator of (name, tensor) in sorted name order, e.g. tensors gathered one at a time from a sharded model.
+    `digest=False`: no hash of the bytes (it costs a pass over every weight on sender and receivers alike)."""
     items = sorted(state.items()) if isinstance(state, dict) else state
     h, refs, arrays, dtypes, size, last = hashlib.sha1(), [], {}, {}, 0, None
     for name, tensor in items:
         if last is not None and name <= last:
             raise ValueError(f"publish: tensors must come in sorted name order; {name!r} came after {last!r}")
         last = name
-        _hash_into(h, name, tensor)
+        if digest:
+            _hash_into(h, name, tensor)
         arrays[name], dtypes[name] = _to_numpy(tensor), str(tensor.dtype)
         size += arrays[name].nbytes
         if size >= bucket_bytes:
@@ -67,7 +69,7 @@ def publish(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
             arrays, dtypes, size = {}, {}, 0
     if arrays or not refs:
         refs.append(ray.put((arrays, dtypes)))
-    return WeightsRef(version, refs, h.hexdigest())
+    return WeightsRef(version, refs, h.hexdigest() if digest else None)
 
 
 def _buckets(weights: WeightsRef) -> Iterator[dict[str, torch.Tensor]]:
@@ -86,6 +88,12 @@ def _buckets(weights: WeightsRef) -> Iterator[dict[str, torch.Tensor]]:
 def fetch(weights: WeightsRef) -> dict[str, torch.Tensor]:
     """The published state dict as torch tensors."""
     return {k: v for bucket in _buckets(weights) for k, v in bucket.items()}
+
+
+def loaded_digest(module: torch.nn.Module, weights: WeightsRef) -> str | None:
+    """What a receiver reports after loading `weights` into `module`: its state digest when the sender published one
+    (the flow checks them), else None."""
+    return state_digest(module.state_dict()) if weights.digest is not None else None
 
 
 @torch.no_grad()

@@ -196,12 +196,13 @@ class ActorWorker(Worker):
         return float(full_tensor(norm)), total
 
     # -- weights and checkpoints ---------------------------------------------------------------
-    def publish_weights(self):
+    def publish_weights(self, check: bool = True):
         """Rank 0 publishes the full weights (a sharded actor gathers them one tensor at a time, every rank taking
-        part, and publishes them in buckets); other ranks return None."""
+        part, and publishes them in buckets), with their digest when the receivers' copies are to be `check`ed;
+        other ranks return None."""
         items = full_state_items(self.model) if self.sharded else self.model.state_dict()
         if self.rank == 0:
-            return publish(items, self.version)
+            return publish(items, self.version, digest=check)
         for _ in items:
             pass
         return None

@@ -11,7 +11,7 @@ import torch
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.engines.train import collate, token_logprobs
 from m2flow.runtime import Worker
-from m2flow.runtime.weights import WeightsRef, load_into, state_digest
+from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
 from m2flow.types import Batch
 from m2flow.workers.common import drain, finish, route
 
@@ -91,10 +91,10 @@ class InferenceWorker(Worker):
             out.put(batch, weight=len(batch))
         return len(batch)
 
-    def load_weights(self, weights: WeightsRef) -> str:
+    def load_weights(self, weights: WeightsRef) -> str | None:
         if self.model is None:
             raise RuntimeError("inference: load_weights() called, but this worker holds no policy copy "
                                "(old logprobs come from the rollout); the flow syncs only the workers that need it")
         with self.device_phase("weight_sync", weights.version):
             load_into(self.model, weights)
-        return state_digest(self.model.state_dict())
+        return loaded_digest(self.model, weights)

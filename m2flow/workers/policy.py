@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributions import Normal
 
 from m2flow.runtime import Worker
-from m2flow.runtime.weights import WeightsRef, load_into, state_digest
+from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
 from m2flow.workloads.embodied import ActorCritic, build_policy
 
 
@@ -105,9 +105,9 @@ class PolicyWorker(Worker):
             self.tracer.record(f"policy s{req['stage']}", wall, time.time(), req["step"], env_rank=req["env_rank"])
         return reply
 
-    def load_weights(self, weights: WeightsRef) -> str:
-        """Copy the actor's published weights in place; returns their digest."""
+    def load_weights(self, weights: WeightsRef) -> str | None:
+        """Copy the actor's published weights in place; returns their digest (None when not checked)."""
         with self.span("weight_sync", weights.version):
             load_into(self.policy, weights)
             self.version = weights.version
-        return state_digest(self.policy.state_dict())
+        return loaded_digest(self.policy, weights)

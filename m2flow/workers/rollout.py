@@ -11,7 +11,7 @@ import torch
 from m2flow.engines.base import SamplingParams
 from m2flow.engines.hf import HFEngine, load_model, load_tokenizer
 from m2flow.runtime import Worker
-from m2flow.runtime.weights import WeightsRef, load_into, state_digest
+from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
 from m2flow.workers.common import finish
 
 
@@ -71,12 +71,13 @@ class RolloutWorker(Worker):
         finish(out, consumers)
         return {"rollout/tokens": tokens, "rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
 
-    def load_weights(self, weights: WeightsRef) -> str:
-        """Copy the actor's published weights into the engine's model in place; returns their digest."""
+    def load_weights(self, weights: WeightsRef) -> str | None:
+        """Copy the actor's published weights into the engine's model in place; returns their digest (None when not
+        checked)."""
         with self.device_phase("weight_sync", weights.version):
             load_into(self.model, weights)
             self.version = weights.version
-        return state_digest(self.model.state_dict())
+        return loaded_digest(self.model, weights)
 
     def evaluate(self, problems: list[dict], k: int, reward_fn: str, temperature: float = 1.0) -> dict:
         """Greedy pass@1 and sampled pass@k over held-out problems {prompt_ids, answer}."""

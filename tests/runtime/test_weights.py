@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from m2flow.runtime import ComponentPlacement, Worker
-from m2flow.runtime.weights import WeightsRef, fetch, load_into, publish, state_digest
+from m2flow.runtime.weights import WeightsRef, fetch, load_into, loaded_digest, publish, state_digest
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -30,6 +30,17 @@ def test_buckets_round_trip_bit_identical(cluster):
     assert state_digest(dst.state_dict()) != many.digest
     load_into(dst, many)
     assert state_digest(dst.state_dict()) == many.digest
+
+
+def test_unchecked_weights_carry_no_digest_and_receivers_compute_none(cluster):
+    """`rollout.check_weight_sync=false`: neither side hashes the weights; the tensors still arrive bit-identical."""
+    state = _model(0).state_dict()
+    weights = publish(state, version=1, digest=False)
+    dst = _model(1)
+    load_into(dst, weights)
+    assert weights.digest is None and loaded_digest(dst, weights) is None
+    assert state_digest(dst.state_dict()) == state_digest(state)
+    assert loaded_digest(dst, publish(state, version=1)) == state_digest(state)
 
 
 def test_streamed_items_must_be_sorted(cluster):
