@@ -85,7 +85,7 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
         ], ready
 
     devices = sorted({d for g in groups for devs in g.placement.rank_devices for d in devs})
-    last, trace, in_flight, produced = {}, [], deque(), start
+    last, trace, counters, in_flight, produced = {}, [], [], deque(), start
     with progress(cfg.run.progress) as bar:
         task = bar.add_task(cfg.algorithm.name, total=cfg.run.steps, completed=start, info="")
         for step in range(start, cfg.run.steps):
@@ -101,6 +101,8 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
             spans = gather_spans(groups, clear=True)
             trace += spans if cfg.run.trace else []
             last = merge_metrics(results) | idle_metrics(spans, w0, w2, devices)
+            counters += [{"device": d, "time": w0, "name": "idle_fraction",
+                          "value": last[f"time/idle/device{d}"] / (w2 - w0)} for d in devices]
             last.update({"time/step": t2 - t0, "time/rollout": last.get("rollout/seconds", 0.0), "time/weight_sync": t2 - t1,
                          "throughput/tokens_per_s": last.get("rollout/tokens", 0) / (t2 - t0)})
             run.log(step + 1, last)
@@ -110,7 +112,7 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
             bar.update(task, advance=1, info=f"reward {last['reward/mean']:.3f}  acc {last['reward/accuracy']:.2f}")
 
     if cfg.run.trace:
-        write_chrome_trace(trace, run.path / "trace.json")
+        write_chrome_trace(trace, run.path / "trace.json", counters=counters)
         plot_timeline(trace, run.path / "plots" / "timeline.png")
     run.plot(PLOTS)
     run.close()

@@ -72,28 +72,39 @@ def _lanes(span: dict) -> list[int]:
     return list(span.get("devices") or []) or [_HOST_LANE]
 
 
-def write_chrome_trace(spans: list[dict], path: str | os.PathLike, device_names: dict[int, str] | None = None) -> str:
+def write_chrome_trace(spans: list[dict], path: str | os.PathLike, device_names: dict[int, str] | None = None,
+                       counters: list[dict] | None = None) -> str:
     """Write Chrome trace JSON (open in https://ui.perfetto.dev): a process lane per device, a thread per
-    component/rank. A span on several devices appears on each of their lanes. Returns `path`."""
+    component/rank. A span on several devices appears on each of their lanes. `counters`: {device, time (epoch s),
+    name, value} samples drawn as a counter track on the device's lane (e.g. each step's idle fraction). Returns
+    `path`."""
     device_names = device_names or {}
     t0 = min((s["start"] for s in spans), default=0.0)
     threads = {key: i + 1 for i, key in enumerate(sorted({(s["component"], s["rank"]) for s in spans}, key=str))}
     events, named = [], set()
+
+    def name_lane(lane: int) -> None:
+        if lane not in named:
+            named.add(lane)
+            name = "host" if lane == _HOST_LANE else device_names.get(lane, f"device {lane}")
+            events.append(dict(ph="M", name="process_name", pid=lane, tid=0, args={"name": name}))
+            events.append(dict(ph="M", name="process_sort_index", pid=lane, tid=0, args={"sort_index": lane}))
+
     for s in spans:
         tid = threads[(s["component"], s["rank"])]
         args = {k: v for k, v in s.items() if k not in ("phase", "start", "end")}
         for lane in _lanes(s):
-            if lane not in named:
-                named.add(lane)
-                name = "host" if lane == _HOST_LANE else device_names.get(lane, f"device {lane}")
-                events.append(dict(ph="M", name="process_name", pid=lane, tid=0, args={"name": name}))
-                events.append(dict(ph="M", name="process_sort_index", pid=lane, tid=0, args={"sort_index": lane}))
+            name_lane(lane)
             if (lane, tid) not in named:
                 named.add((lane, tid))
                 events.append(dict(ph="M", name="thread_name", pid=lane, tid=tid,
                                    args={"name": f"{s['component']}/{s['rank']}"}))
             events.append(dict(ph="X", name=s["phase"], cat=s["component"], pid=lane, tid=tid,
                                ts=(s["start"] - t0) * 1e6, dur=max(s["end"] - s["start"], 0.0) * 1e6, args=args))
+    for c in counters or []:
+        name_lane(c["device"])
+        events.append(dict(ph="C", name=c["name"], pid=c["device"], ts=(c["time"] - t0) * 1e6,
+                           args={c["name"]: c["value"]}))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f, default=str)

@@ -56,6 +56,11 @@ def test_grpo_steps_train_and_sync(cluster, tmp_path, placement, mode):
     trace = json.loads((tmp_path / mode / "trace.json").read_text())
     phases = {e.get("name") for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert {"generate", "reward", "logprobs", "train"} <= phases
+    idle = [e for e in trace["traceEvents"] if e.get("ph") == "C" and e["name"] == "idle_fraction"]
+    assert sorted(e["pid"] for e in idle) == [0, 0, 0, 1, 1, 1]  # each step's idle share on each device's lane
+    by_step = {r["step"]: r["time/idle/device1"] / r["time/step"] for r in metrics}
+    got = sorted(e["args"]["idle_fraction"] for e in idle if e["pid"] == 1)
+    assert got == pytest.approx(sorted(by_step.values()), rel=0.05)
 
 
 def test_pipelined_trace_overlaps_rollout_and_training(cluster, tmp_path):

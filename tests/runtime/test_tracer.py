@@ -57,6 +57,17 @@ def test_chrome_trace_has_a_lane_per_device_and_a_thread_per_component_rank(tmp_
     assert train1["args"]["component"] == "actor" and train1["args"]["step"] == 0
 
 
+def test_counters_are_tracks_on_their_devices_lanes(tmp_path):
+    spans = _spans()
+    t0 = min(s["start"] for s in spans)
+    counters = [{"device": 1, "time": t0 + 0.5, "name": "idle_fraction", "value": 0.25},
+                {"device": 2, "time": t0 + 1.0, "name": "idle_fraction", "value": 1.0}]  # a device with no span
+    events = json.load(open(write_chrome_trace(spans, str(tmp_path / "t.json"), counters=counters)))["traceEvents"]
+    got = [(e["pid"], e["ts"], e["args"]) for e in events if e["ph"] == "C"]
+    assert got == [(1, pytest.approx(0.5e6), {"idle_fraction": 0.25}), (2, pytest.approx(1e6), {"idle_fraction": 1.0})]
+    assert {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}[2] == "device 2"
+
+
 def test_spans_without_devices_go_to_a_host_lane(tmp_path):
     driver = Tracer("driver")
     driver.record("step", 1.0, 2.0)
