@@ -31,16 +31,16 @@ def collate(samples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int)
     for i, (prompt, _) in enumerate(samples):
         if len(prompt) == 0:
             raise ValueError(f"collate: sample {i} has an empty prompt (the first response token needs a prefix)")
-    B, L = len(samples), max(len(p) + len(r) for p, r in samples)
+    prompt_lens = torch.tensor([len(p) for p, _ in samples])
+    lengths = prompt_lens + torch.tensor([len(r) for _, r in samples])
+    B, L = len(samples), int(lengths.max())
+    cols = torch.arange(L).expand(B, L)
+    real = cols < lengths[:, None]  # [B, L] bool; filled row by row, i.e. in the order of the flat token list
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, L), dtype=torch.long)
-    response_mask = torch.zeros((B, L), dtype=torch.float32)
-    for b, (prompt, response) in enumerate(samples):
-        P, R = len(prompt), len(response)
-        input_ids[b, : P + R] = torch.tensor([*prompt, *response], dtype=torch.long)
-        attention_mask[b, : P + R] = 1
-        response_mask[b, P : P + R] = 1.0
-    position_ids = torch.arange(L).expand(B, L).clone()
+    input_ids[real] = torch.tensor([t for p, r in samples for t in (*p, *r)], dtype=torch.long)
+    attention_mask = real.long()
+    response_mask = (real & (cols >= prompt_lens[:, None])).float()
+    position_ids = cols.clone()
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,

@@ -33,9 +33,10 @@ def groups_to_batch(groups: list[dict], pad_id: int) -> Batch:
     batch["advantages"] = torch.tensor(advantages, dtype=torch.float32)
     batch["versions"] = torch.tensor(versions, dtype=torch.long)  # the weight version that generated each sample
     lp = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
-    for row, values in enumerate(rollout_lp):
-        cols = batch["response_mask"][row].nonzero().view(-1)
-        lp[row, cols[: len(values)]] = torch.tensor(values[: len(cols)], dtype=torch.float32)
+    # one value per response token, row by row (the mask's order); a short list is padded with 0, a long one cut
+    flat = [v for (_, resp), values in zip(pairs, rollout_lp)
+            for v in [*values[: len(resp)], *[0.0] * (len(resp) - len(values))]]
+    lp[batch["response_mask"].bool()] = torch.tensor(flat, dtype=torch.float32)
     batch["rollout_logprobs"] = lp
     return batch
 
