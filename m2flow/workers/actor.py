@@ -122,6 +122,8 @@ class ActorWorker(Worker):
         Appends every sample's age (actor version - generating version) to `ages`."""
         if share.meta.get("weight", 1) == 0:
             return share, False
+        if "versions" not in share:  # a batch built without the rollout (no generating version): on-policy
+            return share, True
         age = self.version - share["versions"]
         ages.append(age)
         fresh = age <= self.cfg.algorithm.max_staleness
