@@ -5,6 +5,32 @@ import signal
 import subprocess
 import sys
 
+# Source for scripts that simulate several nodes (pasted in, since a script runs with its own sys.path).
+START_NODES = '''
+def start_nodes(head, *others):
+    """A simulated multi-node Ray cluster (ray.cluster_utils) with the head's and each other node's add_node args.
+    Ray waits a hard-coded 30 s for a node to register with its GCS, and says an overloaded machine can miss that
+    ("timed out during startup"); m2flow's Cluster starts over once then, and so does this."""
+    import ray
+    from ray.cluster_utils import Cluster as RayCluster
+
+    for attempt in (1, 2):
+        nodes = None
+        try:
+            nodes = RayCluster(initialize_head=True, head_node_args=head)
+            for args in others:
+                nodes.add_node(**args)
+            nodes.wait_for_nodes()
+            return nodes
+        except Exception as e:
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            print(f"simulated cluster did not start ({e}); starting over", flush=True)
+            if nodes is not None:
+                nodes.shutdown()
+            ray.shutdown()
+'''
+
 
 def run_script(text: str, tmp_path, *args: str, timeout: float) -> tuple[int, str]:
     """Write `text` to a file under `tmp_path`, run it with `args`; (exit code, stdout+stderr). The whole process

@@ -6,17 +6,16 @@ import os
 import subprocess
 import sys
 
+from own_ray import START_NODES
+
 SCENARIO = r'''
 import hashlib, json
 import ray, torch
-from ray.cluster_utils import Cluster
 from m2flow.runtime.channel import Channel
 
 head = {"num_cpus": 1, "resources": {"node_a": 1}, "include_dashboard": False}
-cluster = Cluster(initialize_head=True, head_node_args=head)
-cluster.add_node(num_cpus=1, resources={"node_b": 1})
+cluster = start_nodes(head, {"num_cpus": 1, "resources": {"node_b": 1}})
 ray.init(address=cluster.address, logging_level="ERROR")
-cluster.wait_for_nodes()
 
 def tensors():
     g = torch.Generator().manual_seed(7)
@@ -54,7 +53,7 @@ cluster.shutdown()
 
 def test_tensor_moves_between_two_nodes_bit_identical():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-c", SCENARIO], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, "-c", START_NODES + SCENARIO], capture_output=True, text=True, timeout=300, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     output = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0 and lines, f"scenario failed (rc={proc.returncode}):\n{output}"

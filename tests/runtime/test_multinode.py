@@ -5,11 +5,10 @@ It needs its own Ray instance, so it runs in a subprocess (apart from the sessio
 
 import textwrap
 
-from own_ray import run_script
+from own_ray import START_NODES, run_script
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = START_NODES + textwrap.dedent('''
     import ray
-    from ray.cluster_utils import Cluster as RayCluster
 
     from m2flow.runtime import Cluster, Worker, parse_placement
 
@@ -25,9 +24,7 @@ SCRIPT = textwrap.dedent('''
             dist.all_reduce(t)
             return t.item()
 
-    nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    nodes.add_node(num_cpus=1)
-    nodes.wait_for_nodes()
+    nodes = start_nodes({"num_cpus": 1, "include_dashboard": False}, {"num_cpus": 1})
     cluster = Cluster(address=nodes.address, cpu_devices=1)
     try:
         assert len(cluster.nodes) == 2 and cluster.num_devices == 2, cluster

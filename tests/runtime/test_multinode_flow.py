@@ -4,20 +4,17 @@ subprocess, apart from the session `cluster` fixture, because it needs its own R
 
 import textwrap
 
-from own_ray import run_script
+from own_ray import START_NODES, run_script
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = START_NODES + textwrap.dedent('''
     import json, sys
     import ray
-    from ray.cluster_utils import Cluster as RayCluster
 
     from m2flow import config as C
     from m2flow.flows.reasoning import train
     from m2flow.runtime import Cluster
 
-    nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    nodes.add_node(num_cpus=1)
-    nodes.wait_for_nodes()
+    nodes = start_nodes({"num_cpus": 1, "include_dashboard": False}, {"num_cpus": 1})
     cluster = Cluster(address=nodes.address, cpu_devices=1)
     try:
         assert cluster.num_devices == 2 and cluster.device(0).node_id != cluster.device(1).node_id, cluster
