@@ -79,18 +79,23 @@ def _logits(model, batch: dict[str, torch.Tensor], start: int = 0) -> torch.Tens
     return out.logits if keep else out.logits[:, start:]
 
 
+CHUNK_BYTES = 64 << 20  # the float32 [rows, L, V] temporaries of the logprob math stay about this size
+
+
 def _shifted_stats(
     logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool, start: int = 0,
-    entropy_grad: bool = True, chunk_rows: int = 8,
+    entropy_grad: bool = True, chunk_bytes: int = CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [B, L - start, V] of positions start..L-1, input_ids [B, L] -> token-aligned logprobs [B, L] (and
     entropy [B, L]); columns 0..start are 0.
 
-    logprob = z[token] - logsumexp(z) with z = logits / temperature, in float32, a few rows at a time so
-    that only one [chunk_rows, L, V] temporary exists besides the logits. `entropy_grad=False`: the entropy is a
+    logprob = z[token] - logsumexp(z) with z = logits / temperature, in float32, as many rows at a time as fit
+    `chunk_bytes` (one row at least), so that only one such temporary exists besides the logits: a large vocabulary
+    is taken a few rows at a time, a small one in one piece. `entropy_grad=False`: the entropy is a
     metric only, computed without building a graph.
     """
-    B = logits.shape[0]
+    B, T, V = logits.shape
+    chunk_rows = max(1, chunk_bytes // max(1, T * V * 4))
     targets = input_ids[:, start + 1:].to(logits.device)
     logps, ents = [], []
     for first in range(0, B, chunk_rows):

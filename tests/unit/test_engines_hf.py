@@ -235,6 +235,18 @@ def test_logits_of_the_prompt_prefix_are_never_computed_and_change_nothing(model
     assert token_logprobs_and_entropy(model, batch)[1].requires_grad
 
 
+def test_logprob_math_gives_the_same_values_in_one_piece_and_row_by_row():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 6, 11, generator=g)
+    ids = torch.randint(0, 11, (5, 6), generator=g)
+    one = train_mod._shifted_stats(logits, ids, 0.7, True)                      # 5 x 6 x 11 floats: one chunk
+    rows = train_mod._shifted_stats(logits, ids, 0.7, True, chunk_bytes=1)     # one row at a time
+    for a, b in zip(one, rows):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    naive = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(one[0][:, 1:], naive)
+
+
 def test_sft_lowers_loss_on_arithmetic(model, tok):
     pairs = [(r["prompt"], r["solution"]) for r in arithmetic(500, seed=0)]
     start = time.time()
