@@ -109,9 +109,10 @@ class ActorWorker(Worker):
         self.version += 1
         out = weighted_mean(stats)
         age = torch.cat(ages) if ages else torch.zeros(0, dtype=torch.long)
-        kept = age[age <= self.cfg.algorithm.max_staleness]
+        fresh = age <= self.cfg.algorithm.max_staleness
+        kept = age[fresh]
         out.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": self.scheduler.get_last_lr()[0],
-                    "actor/samples": samples, "actor/stale_dropped": int((age > self.cfg.algorithm.max_staleness).sum()),
+                    "actor/samples": samples, "actor/stale_dropped": int((~fresh).sum()),
                     "actor/staleness_mean": float(kept.float().mean()) if len(kept) else 0.0,
                     "actor/staleness_max": int(kept.max()) if len(kept) else 0})
         return out
@@ -136,10 +137,9 @@ class ActorWorker(Worker):
 
     def _logprobs(self, batch: Batch) -> torch.Tensor:
         """Token logprobs of `batch` under the current weights, no gradient, a micro-batch at a time."""
-        with torch.no_grad():
-            parts = [token_logprobs(self.model, m.tensors, self.cfg.rollout.temperature)
-                     for m in batch.split(self.cfg.actor.micro_batch)]
-        return Batch.concat([Batch({"lp": p}) for p in parts])["lp"]
+        with torch.no_grad():  # the micro-batches share the batch's padded width
+            return torch.cat([token_logprobs(self.model, m.tensors, self.cfg.rollout.temperature)
+                              for m in batch.split(self.cfg.actor.micro_batch)])
 
     def _backward(self, micros: list[Batch], stats: list, real: bool = True, filler: Batch | None = None) -> int:
         """Accumulate sum-of-sample-losses gradients over `micros`; returns the samples learned from. Sharded ranks
