@@ -1,5 +1,6 @@
 """Start-up of the reasoning flow's four groups (rollout, reward, inference, actor; pipelined placement on 2 CPU
-devices): one `Group.launch` after another vs `launch_all`, side by side, a few repeats. Prints; asserts nothing.
+devices): one `Group.launch` after another vs `launch_all` in new processes vs `launch_all` in the idle processes
+that `release_all` kept (the cluster's `reuse_processes`), side by side, a few repeats. Prints; asserts nothing.
 
     python benchmarks/launch.py [--repeats 2]
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from m2flow import config as C
 from m2flow.flows.reasoning import prepare_model
-from m2flow.runtime import Cluster, launch_all, parse_placement
+from m2flow.runtime import Cluster, launch_all, parse_placement, release_all
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.inference import InferenceWorker
 from m2flow.workers.reward import RewardWorker
@@ -40,9 +41,14 @@ def main() -> None:
         t = time.perf_counter()
         groups = launch_all(cluster, specs)
         together = time.perf_counter() - t
+        release_all(groups)
+        t = time.perf_counter()
+        groups = launch_all(cluster, specs)
+        reused = time.perf_counter() - t
         for g in groups:
             g.kill()
-        print(f"one after another {one_by_one:.1f} s, launch_all {together:.1f} s ({one_by_one / together:.2f}x)")
+        print(f"one after another {one_by_one:.1f} s, launch_all {together:.1f} s ({one_by_one / together:.2f}x), "
+              f"launch_all in reused processes {reused:.1f} s ({together / reused:.1f}x faster than new ones)")
     cluster.shutdown()
 
 

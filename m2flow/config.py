@@ -42,6 +42,8 @@ class ClusterConfig:
     address: str | None = opt(None, "Ray address to join (e.g. 'auto' or 'ray://head:10001'); None starts a local Ray instance")
     cpu_devices: int | None = opt(None, "CPU devices per node when there are no GPUs (default: one per core)")
     placement: Any = opt("all", "component -> devices, e.g. 'actor,rollout: all' or 'rollout: 0; actor,inference: 1'")
+    reuse_processes: bool = opt(True, "keep the worker processes of a finished run (or profile) for the next one on "
+                                      "this cluster: no new Python, no re-import of torch/transformers")
 
     def validate(self, where: str) -> None:
         if self.cpu_devices is not None and self.cpu_devices < 1:

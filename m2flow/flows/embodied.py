@@ -21,7 +21,7 @@ import yaml
 from m2flow import config as C
 from m2flow.config import EmbodiedConfig
 from m2flow.flows.outputs import RunDir, progress
-from m2flow.runtime import Channel, Cluster, launch_all, wait_all
+from m2flow.runtime import Channel, Cluster, launch_all, running, wait_all
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import make_plan
 from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
@@ -42,7 +42,7 @@ PLOTS = {
 def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
     """Run up to `cfg.run.steps` iterations (rollout, update, weight sync); returns the last metrics and the run dir."""
     run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
-    cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices)
+    cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
     auto = cfg.cluster.placement == "auto"
     if auto:  # profile, search placements x env pipeline stages, pick the fastest predicted (docs/planner.md)
         from m2flow.flows.auto import auto_plan_embodied
@@ -79,50 +79,49 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
 
     last, step, saved = {}, start, None
     try:
-        with progress(cfg.run.progress) as bar:
-            task = bar.add_task(f"{cfg.algorithm.name} {cfg.env.id}", total=cfg.run.steps, completed=start, info="")
-            for step in range(start, cfg.run.steps):
-                t0 = time.perf_counter()
-                trace = cfg.run.trace and (step < 2 or (cfg.run.trace_every > 0 and step % cfg.run.trace_every == 0))
-                env_out, actor_out = wait_all([
-                    env.call_per_rank("rollout", [(policy_of[r], trajectories, cfg.rollout.steps, step,
-                                                   actor.world_size, trace) for r in range(env.world_size)]),
-                    actor.train(trajectories, step, env.world_size),
-                ])
-                t1 = time.perf_counter()
-                sync_weights(actor, rollout)
-                t2 = time.perf_counter()
-                recent.extend(e["return"] for out in env_out for e in out["episodes"])
-                env_steps += sum(out["env_steps"] for out in env_out)
-                last = {**iteration_metrics(env_out, recent), **mean_over_ranks(actor_out), "env_steps": env_steps,
-                        "throughput/env_steps_per_s": sum(o["env_steps"] for o in env_out) / (t2 - t0),
-                        "time/iteration": t2 - t0, "time/weight_sync": t2 - t1}
-                stop = (cfg.run.stop_return is not None and len(recent) == recent.maxlen
-                        and last["rollout/return_window"] >= cfg.run.stop_return)
-                every = cfg.run.save_every and (step + 1) % cfg.run.save_every == 0
-                evaluate = cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0 and cfg.eval.episodes
-                if every or evaluate or step + 1 == cfg.run.steps or stop:
-                    saved = save_checkpoint(run, cfg, step + 1, actor, env, env_steps, recent)
-                if evaluate:  # in this process, from the checkpoint just written
-                    scores = evaluate_checkpoint(saved, cfg.eval.episodes)
-                    last.update({f"eval/{k}": v for k, v in scores.items() if isinstance(v, float)})
-                run.log(step + 1, last)
-                bar.update(task, advance=1, info=f"return {last['rollout/return_window']:.1f}  "
-                                                 f"{last['throughput/env_steps_per_s']:.0f} env steps/s")
-                if stop:
-                    break
-        if cfg.run.trace:
-            spans = [s for g in groups for s in g.spans()]
-            write_chrome_trace(spans, run.path / "trace.json")
-            plot_timeline(spans, run.path / "plots" / "timeline.png")
-            one = min(start + 1, step)  # one rollout, zoomed in: env stages and policy inference side by side
-            plot_timeline([s for s in spans if s["step"] == one and s["component"] in ("env", "rollout")],
-                          run.path / "plots" / "timeline_rollout.png", title=f"rollout of iteration {one + 1}")
-        run.plot(PLOTS)
+        with running(groups):  # released after a run that went well, killed if it raises
+            with progress(cfg.run.progress) as bar:
+                task = bar.add_task(f"{cfg.algorithm.name} {cfg.env.id}", total=cfg.run.steps, completed=start, info="")
+                for step in range(start, cfg.run.steps):
+                    t0 = time.perf_counter()
+                    trace = cfg.run.trace and (step < 2 or (cfg.run.trace_every > 0 and step % cfg.run.trace_every == 0))
+                    env_out, actor_out = wait_all([
+                        env.call_per_rank("rollout", [(policy_of[r], trajectories, cfg.rollout.steps, step,
+                                                       actor.world_size, trace) for r in range(env.world_size)]),
+                        actor.train(trajectories, step, env.world_size),
+                    ])
+                    t1 = time.perf_counter()
+                    sync_weights(actor, rollout)
+                    t2 = time.perf_counter()
+                    recent.extend(e["return"] for out in env_out for e in out["episodes"])
+                    env_steps += sum(out["env_steps"] for out in env_out)
+                    last = {**iteration_metrics(env_out, recent), **mean_over_ranks(actor_out), "env_steps": env_steps,
+                            "throughput/env_steps_per_s": sum(o["env_steps"] for o in env_out) / (t2 - t0),
+                            "time/iteration": t2 - t0, "time/weight_sync": t2 - t1}
+                    stop = (cfg.run.stop_return is not None and len(recent) == recent.maxlen
+                            and last["rollout/return_window"] >= cfg.run.stop_return)
+                    every = cfg.run.save_every and (step + 1) % cfg.run.save_every == 0
+                    evaluate = cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0 and cfg.eval.episodes
+                    if every or evaluate or step + 1 == cfg.run.steps or stop:
+                        saved = save_checkpoint(run, cfg, step + 1, actor, env, env_steps, recent)
+                    if evaluate:  # in this process, from the checkpoint just written
+                        scores = evaluate_checkpoint(saved, cfg.eval.episodes)
+                        last.update({f"eval/{k}": v for k, v in scores.items() if isinstance(v, float)})
+                    run.log(step + 1, last)
+                    bar.update(task, advance=1, info=f"return {last['rollout/return_window']:.1f}  "
+                                                     f"{last['throughput/env_steps_per_s']:.0f} env steps/s")
+                    if stop:
+                        break
+            if cfg.run.trace:
+                spans = [s for g in groups for s in g.spans()]
+                write_chrome_trace(spans, run.path / "trace.json")
+                plot_timeline(spans, run.path / "plots" / "timeline.png")
+                one = min(start + 1, step)  # one rollout, zoomed in: env stages and policy inference side by side
+                plot_timeline([s for s in spans if s["step"] == one and s["component"] in ("env", "rollout")],
+                              run.path / "plots" / "timeline_rollout.png", title=f"rollout of iteration {one + 1}")
+            run.plot(PLOTS)
     finally:
         run.close()
-        for g in groups:
-            g.kill()
         trajectories.destroy()
     if auto:
         from m2flow.flows.auto import write_plan_report

@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from m2flow.engines.hf import load_tokenizer
-from m2flow.runtime import Channel, Cluster, concurrent, parse_placement
+from m2flow.runtime import Channel, Cluster, concurrent, parse_placement, release_all
 from m2flow.scheduler.profile import ComponentInfo, Machine, Measurement, Profile, Transfer, Weights
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.common import END, drain
@@ -239,9 +239,11 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
                     info["transfer"] = _transfer(reward, inp, info["items"])
                     info["switch"] = {name: _switch(g, repeats) for name, g in zip(COMPONENTS, groups)
                                       if name != "reward"}
-            finally:
+            except BaseException:
                 for g in groups:
                     g.kill()
+                raise
+            release_all(groups)  # their processes host the next probes (or the run)
     finally:
         inp.destroy()
         out.destroy()
@@ -382,7 +384,7 @@ def profile_command(config: str, overrides: list[str], out: str | None = None, b
     if flow not in ("reasoning", "embodied"):
         raise C.ConfigError(f"config '{config}': flow must be reasoning | embodied, got '{flow}'")
     cfg = C.load(C.ReasoningConfig if flow == "reasoning" else C.EmbodiedConfig, data, overrides)
-    cluster = Cluster(cfg.cluster.address, cfg.cluster.cpu_devices)
+    cluster = Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
     try:
         sizes = [int(s) for s in batches.split(",")] if batches else None
         start = time.perf_counter()

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from m2flow.flows.profile import _Probe, median_rows
-from m2flow.runtime import Channel, Cluster, parse_placement
+from m2flow.runtime import Channel, Cluster, parse_placement, release_all
 from m2flow.scheduler.profile import (
     ComponentInfo,
     LoopLatency,
@@ -134,9 +134,11 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                     info["state"] = {"rollout": policy.model_bytes().wait()[0], "actor": actor.state_bytes().wait()[0]}
                     info["weights"] = actor.model_bytes().wait()[0]
                     info["machine"] = env.machine(len(cluster.nodes[0]["devices"])).wait()[0]
-            finally:
+            except BaseException:
                 for g in groups:
                     g.kill()
+                raise
+            release_all(groups)  # their processes host the next probes (or the run)
         if cluster.num_devices >= 2 and 1 in devices:
             info["split"], step = _split_loop(cfg, cluster, trajectories, work_dir, repeats, step)
     finally:
@@ -168,9 +170,11 @@ def _split_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: in
             step += 1
             if i:
                 waits.append(out["wait_time"] - out["policy_time"])
-    finally:
+    except BaseException:
         for g in groups:
             g.kill()
+        raise
+    release_all(groups)
     return statistics.median(waits), step
 
 

@@ -17,7 +17,7 @@ import torch
 from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
 from m2flow.flows.outputs import RunDir, idle_metrics, progress
-from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, wait_all
+from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, release_all, wait_all
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import make_plan
 from m2flow.workers.actor import ActorWorker
@@ -41,7 +41,7 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
     run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
     model_path = prepare_model(cfg, run.path)
     train_set, _ = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)
-    cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices)
+    cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
     batch_samples = cfg.rollout.prompts_per_step * cfg.rollout.n
     if cfg.cluster.placement == "auto":  # profile, search, pick the fastest predicted plan (docs/planner.md)
         from m2flow.flows.auto import auto_plan
@@ -120,8 +120,7 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
         from m2flow.flows.auto import write_plan_report
 
         write_plan_report(run.path)
-    for g in groups:
-        g.kill()
+    release_all(groups)  # their processes stay up, idle, for the cluster's next run
     for ch in (c for slot in slots for c in slot):
         ch.destroy()
     return {"metrics": last, "run_dir": str(run.path), "plan": plan.to_dict(),

@@ -1,6 +1,7 @@
 """Cluster: start (or join) Ray and list the devices that placements refer to: GPUs, else slots of CPU cores.
 
-It launches no workers (`group.py` does) and decides no placement (`placement.py` does).
+It launches no workers (`group.py` does) and decides no placement (`placement.py` does). It keeps the idle worker
+processes that `group.py` hands back for reuse, so that a later group on the same node starts without a new Python.
 """
 
 from __future__ import annotations
@@ -56,10 +57,15 @@ class Cluster:
     Per node: one device per GPU; on nodes without GPUs (or with `use_gpus=False`), `cpu_devices` CPU devices
     (default: one per core), each owning a contiguous slice of the node's cores. Devices are numbered
     node by node, the driver's node first.
+
+    With `reuse_processes` (the default), a group released after a run that went well (`release_all`) leaves its
+    worker processes idle here, and the next group launched on the same node (and the same GPUs) is built in one of
+    them instead of a new process: no Python start-up and no torch / transformers import (seconds per process). A
+    killed group's processes are never reused.
     """
 
     def __init__(self, address: str | None = None, cpu_devices: int | None = None, num_cpus: int | None = None,
-                 use_gpus: bool = True):
+                 use_gpus: bool = True, reuse_processes: bool = True):
         if cpu_devices is not None and cpu_devices < 1:
             raise ValueError(f"Cluster: cpu_devices must be >= 1 (or None for one per core), got {cpu_devices}")
         self._started = not ray.is_initialized()
@@ -76,6 +82,8 @@ class Cluster:
                 ray.shutdown()
                 ray.init(include_dashboard=False, logging_level=logging.WARNING, **args)
         self._locks: dict[int, DeviceLock] = {}
+        self.reuse_processes = reuse_processes
+        self._idle: dict[tuple, list] = {}  # (node id, GPU ids) -> idle worker processes (actor handles)
         self.devices: list[Device] = []
         self.nodes: list[dict] = []
         here = ray.get_runtime_context().get_node_id()
@@ -113,8 +121,33 @@ class Cluster:
             self._locks[index] = DeviceLock(index, self.device(index).node_id)
         return self._locks[index]
 
+    def take_idle_process(self, key: tuple):
+        """An idle worker process kept under `key` (see `keep_idle_process`), or None."""
+        idle = self._idle.get(key)
+        return idle.pop() if idle else None
+
+    def keep_idle_process(self, key: tuple, actor) -> None:
+        """Keep a worker process that no group uses any more, for the next group launched under `key`; killed
+        instead when `reuse_processes` is off."""
+        if self.reuse_processes:
+            self._idle.setdefault(key, []).append(actor)
+        else:
+            ray.kill(actor, no_restart=True)
+
+    @property
+    def idle_processes(self) -> int:
+        """How many idle worker processes are kept for reuse."""
+        return sum(len(v) for v in self._idle.values())
+
     def shutdown(self) -> None:
-        """Stop Ray if this Cluster started it (a joined or pre-initialized Ray is left running)."""
+        """Stop Ray if this Cluster started it (a joined or pre-initialized Ray is left running, less the idle
+        worker processes this Cluster kept)."""
+        for actor in (a for idle in self._idle.values() for a in idle):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._idle.clear()
         self._locks.clear()
         if self._started and ray.is_initialized():
             ray.shutdown()

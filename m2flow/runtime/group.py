@@ -6,6 +6,11 @@ group's rank r on the same devices. A call from a worker to a co-hosted worker i
 function call in the caller's thread (no Ray hop; arguments are passed by reference, not copied); every other call
 goes through Ray as usual. Co-hosted groups share their processes' fate: killing one kills both.
 
+A group ends in one of two ways. `kill()` ends its processes (after a failure, or to stop it mid-call).
+`release_all(groups)`, after a run that went well, ends only its workers: each worker's `close()` runs, and a process
+left with no worker goes back to its Cluster idle, to host the next group launched on its node (`Cluster`'s
+`reuse_processes`). It is reset first: a clean environment, a new torch seed, no process group, no compiled code.
+
 It does not choose placements (`placement.py`) and moves no data between groups (`channel.py`).
 """
 
@@ -31,7 +36,8 @@ from .offload import offload_state, onload_state
 from .placement import ComponentPlacement
 from .tracer import Tracer
 
-__all__ = ["WorkerError", "Worker", "Group", "Handle", "wait_all", "launch_all", "gather_spans", "concurrent"]
+__all__ = ["WorkerError", "Worker", "Group", "Handle", "wait_all", "launch_all", "release_all", "running",
+           "gather_spans", "concurrent"]
 
 _DEPTH_LOCK = threading.Lock()
 _HOSTED: dict[tuple[str, int], "Worker"] = {}  # in a worker process: its workers by (group uid, rank)
@@ -126,6 +132,10 @@ class Worker:
         """Trace the block as a span (takes no lock)."""
         return self.tracer.span(phase, step)
 
+    def close(self) -> None:
+        """Called when the group is released (`release_all`) and the process lives on for other workers: free what
+        outlives this object otherwise (subprocesses, open files). The default does nothing."""
+
     def init_process_group(self, backend: str | None = None) -> None:
         """Join torch.distributed among this group's ranks (gloo on CPU, nccl on GPU; MASTER_ADDR/PORT are set)."""
         import datetime
@@ -180,7 +190,7 @@ class Worker:
                                                          "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT")})
 
 
-_NOT_REMOTE = {"launch", "device_phase", "span", "tracer"}
+_NOT_REMOTE = {"launch", "device_phase", "span", "tracer", "close"}
 
 
 def _run(fn, *args, **kwargs) -> tuple:
@@ -202,10 +212,36 @@ def _pin_process(cores: Sequence[int]) -> None:
             pass
 
 
-def _register_hosted(uid: str, rank: int, worker: Worker) -> None:
-    """Record a worker built in this process. A module function, not inline in _Host: Ray ships the actor class
-    by value, with its own copy of this module's globals; `_submit` reads the module's real `_HOSTED`."""
-    _HOSTED[(uid, rank)] = worker
+def _register_hosted(uid: str, rank: int, worker: Worker | None) -> None:
+    """Record a worker built in this process (None: forget it). A module function, not inline in _Host: Ray ships
+    the actor class by value, with its own copy of this module's globals; `_submit` reads the module's real
+    `_HOSTED`."""
+    if worker is None:
+        _HOSTED.pop((uid, rank), None)
+    else:
+        _HOSTED[(uid, rank)] = worker
+
+
+def _reset_process() -> None:
+    """Undo what the workers of a released process may have left behind for the next ones: torch.distributed's
+    process group, torch.compile's caches, the global RNG's state (a new random seed, as a new process gets), freed
+    memory."""
+    import ctypes
+    import gc
+    import sys
+
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    torch.seed()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand the freed heap back to the OS
+    except (OSError, AttributeError):
+        pass
 
 
 @ray.remote(num_cpus=0, concurrency_groups={"user": 1, "system": 16})
@@ -214,13 +250,41 @@ class _Host:
     group placed here: the group that started the process and any co-hosted with it), keyed by group uid."""
 
     def __init__(self, env: dict[str, str], cores: list[int], pin: bool):
-        os.environ.update(env)
+        self.base_env = dict(os.environ)
+        self.workers: dict[str, Worker] = {}
+        self._bind(env, cores, pin)
+
+    def _bind(self, env: dict[str, str], cores: list[int], pin: bool) -> None:
         import torch
 
+        os.environ.clear()
+        os.environ.update(self.base_env | env)
         if pin:
             _pin_process(cores)
         torch.set_num_threads(max(len(cores), 1))
-        self.workers: dict[str, Worker] = {}
+
+    @ray.method(concurrency_group="user")
+    def rebind(self, env: dict[str, str], cores: list[int], pin: bool) -> bool:
+        """Take this idle process for a new rank (as `__init__` did for the first)."""
+        assert not self.workers, f"rebind: the process still hosts {list(self.workers)}"
+        self._bind(env, cores, pin)
+        return True
+
+    @ray.method(concurrency_group="user")
+    def release(self, uid: str) -> tuple:
+        """End this process's worker of group `uid` (its `close()` runs); when no worker is left, reset the process
+        for reuse. -> ("ok", workers left, seconds) or a `_run` error."""
+        def end() -> int:
+            worker = self.workers.pop(uid, None)
+            if worker is not None:
+                _register_hosted(uid, worker.rank, None)
+                worker.close()
+            del worker
+            if not self.workers:
+                _reset_process()
+            return len(self.workers)
+
+        return _run(end)
 
     @ray.method(concurrency_group="system")
     def where(self) -> dict:
@@ -244,13 +308,21 @@ class _Host:
         _register_hosted(uid, attrs["rank"], worker)
         return out
 
+    def _method(self, uid: str, name: str):
+        def method(*args, **kwargs):
+            if uid not in self.workers:
+                raise RuntimeError("the group was released (release_all): its workers are gone")
+            return getattr(self.workers[uid], name)(*args, **kwargs)
+
+        return method
+
     @ray.method(concurrency_group="user")
     def call(self, uid: str, name: str, args, kwargs) -> tuple:
-        return _run(getattr(self.workers[uid], name), *args, **kwargs)
+        return _run(self._method(uid, name), *args, **kwargs)
 
     @ray.method(concurrency_group="system")
     def call_concurrent(self, uid: str, name: str, args, kwargs) -> tuple:
-        return _run(getattr(self.workers[uid], name), *args, **kwargs)
+        return _run(self._method(uid, name), *args, **kwargs)
 
     @ray.method(concurrency_group="system")
     def spans(self, uid: str, clear: bool) -> tuple:
@@ -409,8 +481,9 @@ class Group:
     `group.on(ranks)` selects ranks; `group.call_per_rank(method, [args_rank0, args_rank1, ...])`."""
 
     def __init__(self, worker_cls: type, placement: ComponentPlacement, actors: list, where: dict[int, dict],
-                 uid: str | None = None):
+                 uid: str | None = None, cluster: Cluster | None = None):
         self.worker_cls, self.placement, self._actors, self._where = worker_cls, placement, actors, where
+        self._cluster = cluster
         self._ranks = list(range(placement.world_size))
         self._uid = uid or uuid.uuid4().hex  # names this group's workers in their host processes
 
@@ -451,7 +524,7 @@ class Group:
                 raise ValueError(f"Group.launch: {placement.component} (devices per rank "
                                  f"{placement.rank_devices}) cannot be co-hosted with all of {host_with.component} "
                                  f"(devices per rank {host_with.placement.rank_devices}): they must match rank by rank")
-            return cls(worker_cls, placement, list(host_with._actors), {})
+            return cls(worker_cls, placement, list(host_with._actors), {}, cluster=cluster)
         ranks = [[cluster.device(i) for i in devs] for devs in placement.rank_devices]
         for rank, devs in enumerate(ranks):
             if len({d.node_id for d in devs}) != 1:
@@ -469,10 +542,11 @@ class Group:
             if devs[0].kind == "gpu":
                 proc_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.gpu_id) for d in devs)
             proc_env.update(env or {})
-            actors.append(_Host.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            actors.append(_reused_host(cluster, _process_key(devs), proc_env, cores, devs[0].kind == "cpu") or
+                          _Host.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                                         max_restarts=0, name=None)
                           .remote(proc_env, cores, devs[0].kind == "cpu"))
-        return cls(worker_cls, placement, actors, {})
+        return cls(worker_cls, placement, actors, {}, cluster=cluster)
 
     def _construct(self, cluster: Cluster, run_dir: str | None, args, kwargs) -> Handle:
         """Wait for the processes to be up, then build the Worker in each (returns the constructors' handle)."""
@@ -563,7 +637,60 @@ class Group:
                     break  # dead
                 time.sleep(0.005)  # the kill is on its way
 
+    def _process_keys(self) -> list[tuple]:
+        return [_process_key([self._cluster.device(i) for i in devs]) for devs in self.placement.rank_devices]
+
     def __repr__(self):
         devices = [self.placement.rank_devices[r] for r in self._ranks]
         return f"Group({self.component}, {self.worker_cls.__name__}, ranks {self._ranks}, devices {devices})"
 
+
+
+def _process_key(devs: Sequence[Device]) -> tuple:
+    """Which idle processes can host a rank on `devs`: any on their node, on the same GPUs (CUDA_VISIBLE_DEVICES is
+    fixed once CUDA starts; cores are re-pinned)."""
+    return devs[0].node_id, tuple(d.gpu_id for d in devs if d.kind == "gpu")
+
+
+def _reused_host(cluster: Cluster, key: tuple, env: dict[str, str], cores: list[int], pin: bool):
+    """An idle process of `cluster` under `key`, bound to a new rank; None if there is none (or none alive)."""
+    while (actor := cluster.take_idle_process(key)) is not None:
+        try:
+            ray.get(actor.rebind.remote(env, cores, pin), timeout=60)
+            return actor
+        except ray.exceptions.RayError:  # died while idle (or hung): forget it
+            ray.kill(actor, no_restart=True)
+    return None
+
+
+def release_all(groups: Sequence[Group], timeout: float = 60.0) -> None:
+    """End the groups' workers after a run that went well (their calls all done): each worker's `close()` runs, and
+    every process left with no worker is kept by its Cluster for the next group (killed when the Cluster does not
+    reuse processes). A group whose release fails, or a process that does not answer within `timeout`, is killed."""
+    calls = [(g, rank, g._actors[rank], g._actors[rank].release.remote(g._uid)) for g in groups for rank in g.ranks]
+    keys = {id(g): g._process_keys() for g in groups}
+    failed: list[Group] = []
+    for g, rank, actor, ref in calls:
+        try:
+            out = ray.get(ref, timeout=timeout)
+        except ray.exceptions.RayError:
+            out = ("err",)
+        if out[0] != "ok":
+            failed.append(g)
+        elif out[1] == 0:
+            g._cluster.keep_idle_process(keys[id(g)][rank], actor)
+    for g in dict.fromkeys(failed):
+        g.kill()
+
+
+@contextmanager
+def running(groups: list[Group]):
+    """`with running(groups):` the block uses the groups (it may append more); they are released after it
+    (`release_all`), or killed if it raises."""
+    try:
+        yield groups
+    except BaseException:
+        for g in groups:
+            g.kill()
+        raise
+    release_all(groups)

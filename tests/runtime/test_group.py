@@ -16,6 +16,8 @@ from m2flow.runtime import (
     concurrent,
     launch_all,
     parse_placement,
+    release_all,
+    running,
     wait_all,
 )
 
@@ -315,3 +317,79 @@ def test_cohosted_group_lives_in_its_hosts_processes_and_is_called_in_process(cl
             calc.add(1).wait(timeout=30)
     finally:
         asker.kill()
+
+
+class Residue(Worker):
+    """Leaves behind what a worker may: an environment variable, a process group, a used global RNG, a file it
+    closes."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+
+    def dirty(self):
+        import torch.distributed as dist
+
+        os.environ["M2FLOW_TEST_LEFTOVER"] = self.component
+        self.init_process_group()
+        return dist.is_initialized(), torch.rand(3).tolist()
+
+    def state(self):
+        import torch.distributed as dist
+
+        return dict(pid=os.getpid(), leftover=os.environ.get("M2FLOW_TEST_LEFTOVER"), rank=os.environ["RANK"],
+                    component=os.environ["M2FLOW_COMPONENT"], cores=sorted(os.sched_getaffinity(0)),
+                    threads=torch.get_num_threads(), dist=dist.is_initialized(), seed=torch.initial_seed())
+
+    def close(self):
+        open(os.path.join(self.out_dir, f"closed-{self.component}-{self.rank}"), "w").close()
+
+
+def _gone(pid, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def test_a_released_group_leaves_clean_processes_that_the_next_group_reuses(cluster, tmp_path):
+    first = Residue.launch(cluster, parse_placement("a: 0-1", cluster.num_devices, ["a"])["a"], str(tmp_path))
+    fresh = first.state().wait()
+    assert all(initialized for initialized, _ in first.dirty().wait())
+    idle = cluster.idle_processes
+    release_all([first])
+    assert cluster.idle_processes == idle + 2
+    assert sorted(os.listdir(tmp_path)) == ["closed-a-0", "closed-a-1"]  # each worker's close() ran
+    with pytest.raises(WorkerError, match="a rank 0: state\\(\\) raised RuntimeError: the group was released"):
+        first.state().wait(timeout=30)
+
+    # one rank over both devices: an idle process of this node takes it, re-pinned to both cores
+    second = Residue.launch(cluster, parse_placement("b: 0-1:0", cluster.num_devices, ["b"])["b"], str(tmp_path))
+    try:
+        (got,) = second.state().wait(timeout=30)
+        assert got["pid"] in {s["pid"] for s in fresh}
+        assert (got["component"], got["rank"], got["leftover"], got["dist"]) == ("b", "0", None, False)
+        assert got["cores"] == sorted({c for d in cluster.devices for c in d.cores}) and got["threads"] == len(got["cores"])
+        assert got["seed"] not in {s["seed"] for s in fresh}  # the global RNG got a new seed, as in a new process
+        assert second.dirty().wait(timeout=30)[0][0]  # a new process group can be made
+    finally:
+        release_all([second])
+
+
+def test_a_failed_run_kills_its_groups_and_reuse_can_be_turned_off(cluster, tmp_path):
+    place = parse_placement("a: 0-1", cluster.num_devices, ["a"])["a"]
+    idle = cluster.idle_processes
+    with pytest.raises(WorkerError, match="boom"):
+        with running([Residue.launch(cluster, place, str(tmp_path))]) as groups:
+            pids = [s["pid"] for s in groups[0].state().wait(timeout=30)]
+            raise WorkerError("a", 0, "boom")
+    assert all(_gone(pid) for pid in pids) and not os.listdir(tmp_path)  # killed: no close(), not kept
+    assert cluster.idle_processes <= idle  # it may have taken idle processes, it gave none back
+
+    cluster.reuse_processes = False
+    try:
+        with running([Residue.launch(cluster, place, str(tmp_path))]) as groups:
+            pids = [s["pid"] for s in groups[0].state().wait(timeout=30)]
+        assert sorted(os.listdir(tmp_path)) == ["closed-a-0", "closed-a-1"]
+        assert all(_gone(pid) for pid in pids) and cluster.idle_processes <= idle
+    finally:
+        cluster.reuse_processes = True
