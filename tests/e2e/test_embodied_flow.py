@@ -13,7 +13,7 @@ from gymnasium import spaces
 
 from m2flow import config as C
 from m2flow.flows.embodied import train
-from m2flow.runtime import Channel, WorkerError, parse_placement, wait_all
+from m2flow.runtime import Channel, WorkerError, parse_placement, release_all, wait_all
 from m2flow.workers.env import EnvWorker
 from m2flow.workers.policy import PolicyWorker
 from m2flow.workloads.embodied import Trajectory
@@ -119,8 +119,7 @@ def test_real_workers_lockstep_pipelined_and_two_env_workers_give_identical_traj
                 per_step.append(Trajectory.cat_envs([x["traj"] for x in parts]))
             trajectories.append(per_step)
         finally:
-            env.kill()
-            policy.kill()
+            release_all([env, policy])
             out.destroy()
     for other in trajectories[1:]:
         for a, b in zip(trajectories[0], other):

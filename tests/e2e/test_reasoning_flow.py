@@ -123,8 +123,11 @@ def test_reward_rises_on_a_learnable_task(cluster, tmp_path):
 def test_resume_matches_an_uninterrupted_run(cluster, tmp_path):
     common = ["cluster.placement=rollout: 0; reward,inference,actor: 1", "reward.fn=reward_fixtures:digit_fraction"]
     train(make_cfg(tmp_path, "full", "run.steps=4", *common), cluster)
+    idle = cluster.idle_processes  # the run's 4 processes (at least) are kept for the next runs
+    assert idle >= 4
     train(make_cfg(tmp_path, "parted", "run.steps=2", "run.save_every=2", *common), cluster)
     train(make_cfg(tmp_path, "parted", "run.steps=4", "run.save_every=2", "run.resume=true", *common), cluster)
+    assert cluster.idle_processes == idle  # both runs were built in processes a run had used (none was started)
     full, parted = rows(tmp_path / "full"), rows(tmp_path / "parted")
     assert [r["step"] for r in parted] == [1, 2, 3, 4]
     for a, b in zip(full[2:], parted[2:]):

@@ -16,7 +16,7 @@ from m2flow import config as C
 from m2flow.engines.hf import init_tiny_model, load_model
 from m2flow.engines.train import collate, token_logprobs
 from m2flow.flows.reasoning import train
-from m2flow.runtime import Channel, parse_placement, wait_all
+from m2flow.runtime import Channel, parse_placement, release_all, wait_all
 from m2flow.runtime.weights import fetch
 from m2flow.types import Batch
 from m2flow.workers.actor import ActorWorker
@@ -74,8 +74,7 @@ def actors(cluster, tmp_path_factory):
                              make_cfg(tmp, "actor.backend=fsdp2"), str(tmp / "model"))
     one = ActorWorker.launch(cluster, parse_placement("actor: 0", 2)["actor"], make_cfg(tmp), str(tmp / "model"))
     yield {"two": two, "one": one, "model": model, "tmp": tmp}
-    two.kill()
-    one.kill()
+    release_all([two, one])
 
 
 def train_both(actors, micro_batches, step):
@@ -174,5 +173,4 @@ def test_two_epochs_on_two_ranks_equal_one_process(cluster, actors):
         a2, a1 = weights_of(two)[0], weights_of(one)[0]
         assert max_diff(a1, a2) < 2 * TOL, max_diff(a1, a2)
     finally:
-        two.kill()
-        one.kill()
+        release_all([two, one])

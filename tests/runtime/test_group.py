@@ -97,7 +97,7 @@ class BadInit(Worker):
 def calc(cluster):
     group = Calc.launch(cluster, parse_placement("calc: 0-1", cluster.num_devices)["calc"], 100)
     yield group
-    group.kill()
+    release_all([group])
 
 
 def test_calls_return_per_rank_results_in_rank_order(calc):
@@ -198,8 +198,7 @@ def test_launch_all_builds_groups_together_and_names_a_failing_rank(cluster):
         assert a.add(1).wait() == [11] and b.add(1).wait() == [21, 22]
         assert b.init_seen().wait()[1] == ("b", 1, 2, [1])
     finally:
-        a.kill()
-        b.kill()
+        release_all([a, b])
     with pytest.raises(WorkerError, match="bad rank 0: __init__\\(\\) raised RuntimeError"):
         launch_all(cluster, [(Calc, ComponentPlacement("ok", ((0,),)), (1,)),
                              (BadInit, ComponentPlacement("bad", ((1,),)), ())])

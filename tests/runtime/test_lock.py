@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from m2flow.runtime import ComponentPlacement, Worker, WorkerError, wait_all
+from m2flow.runtime import ComponentPlacement, Worker, WorkerError, release_all, wait_all
 
 
 class Turns(Worker):
@@ -36,8 +36,7 @@ def groups(cluster):
     b = Turns.launch(cluster, ComponentPlacement("b", ((0,),)))  # shares device 0 with a
     c = Turns.launch(cluster, ComponentPlacement("c", ((1,),)))  # device 1 only
     yield a, b, c
-    for g in (a, b, c):
-        g.kill()
+    release_all([a, b, c])
 
 
 def _work_spans(*groups):

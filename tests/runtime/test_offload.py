@@ -6,7 +6,7 @@ import psutil
 import pytest
 import torch
 
-from m2flow.runtime import ComponentPlacement, Worker, offload_state, onload_state
+from m2flow.runtime import ComponentPlacement, Worker, offload_state, onload_state, release_all
 
 
 def _digests(objs: dict) -> dict[str, str]:
@@ -87,7 +87,7 @@ def test_worker_offload_frees_ram_and_onload_is_bit_identical(cluster, tmp_path)
         (rss_after_phase,) = holder.rss().wait()
         assert rss_on - rss_after_phase >= 0.8 * size
     finally:
-        holder.kill()
+        release_all([holder])
 
 
 def test_offload_functions_keep_tensor_objects_and_tied_weights(tmp_path):

@@ -4,7 +4,7 @@ module, and its digest is the receiver's `state_digest`; a worker on another pro
 import pytest
 import torch
 
-from m2flow.runtime import ComponentPlacement, Worker
+from m2flow.runtime import ComponentPlacement, Worker, release_all
 from m2flow.runtime.weights import WeightsRef, fetch, load_into, loaded_digest, publish, state_digest
 
 
@@ -73,4 +73,4 @@ def test_other_processes_receive_the_buckets(cluster):
         weights = publish(_model(0).state_dict(), 1, bucket_bytes=4096)
         assert group.load(weights).wait() == [weights.digest, weights.digest]
     finally:
-        group.kill()
+        release_all([group])
