@@ -299,6 +299,9 @@ class RolloutConfig:
     top_k: int = opt(0, "top-k sampling (0: off)")
     max_slots: int = opt(256, "native engine: concurrent sequences (continuous batching slots)")
     check_weight_sync: bool = opt(True, "after each sync, verify the rollout weights equal the actor's")
+    cohost: bool = opt(True, "collocated plans (every component on the same devices, rank by rank): build reward, "
+                             "inference and actor inside the rollout's processes, one process per rank taking the "
+                             "stages in turn, instead of four processes taking turns on the device")
 
     def validate(self, where: str) -> None:
         if self.engine not in ("native", "hf"):

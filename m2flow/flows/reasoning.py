@@ -13,6 +13,7 @@ from collections import deque
 from pathlib import Path
 
 import torch
+import yaml
 
 from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
@@ -49,12 +50,22 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
         plan = auto_plan(cfg, cluster, run.path)
     else:
         plan = make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, batch_samples, cfg.actor.micro_batch)
-    plan.save(run.path / "plan.yaml")
+    # collocated: one process per rank hosts all four components (stages take turns in it; no process switches)
+    cohost = cfg.rollout.cohost and plan.channel_maxsize == 0 and all(
+        plan[c].rank_devices == plan["rollout"].rank_devices for c in COMPONENTS)
+    (run.path / "plan.yaml").write_text(yaml.safe_dump({**plan.to_dict(), "cohosted": cohost}, sort_keys=False))
 
-    groups = launch_all(cluster, [(RolloutWorker, plan["rollout"], (cfg, model_path)),
-                                  (RewardWorker, plan["reward"], (cfg,)),
-                                  (InferenceWorker, plan["inference"], (cfg, model_path)),
-                                  (ActorWorker, plan["actor"], (cfg, model_path))], run_dir=str(run.path))
+    specs = [(RolloutWorker, plan["rollout"], (cfg, model_path)), (RewardWorker, plan["reward"], (cfg,)),
+             (InferenceWorker, plan["inference"], (cfg, model_path)), (ActorWorker, plan["actor"], (cfg, model_path))]
+    if cohost:
+        (rollout,) = launch_all(cluster, specs[:1], run_dir=str(run.path))
+        try:
+            groups = [rollout, *launch_all(cluster, specs[1:], run_dir=str(run.path), host_with=[rollout] * 3)]
+        except BaseException:
+            rollout.kill()
+            raise
+    else:
+        groups = launch_all(cluster, specs, run_dir=str(run.path))
     rollout, reward, inference, actor = groups
     tag = f"{run.path.resolve()}:{time.time_ns()}"
     lag = cfg.algorithm.max_staleness

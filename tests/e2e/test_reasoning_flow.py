@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from m2flow import config as C
@@ -61,6 +62,29 @@ def test_grpo_steps_train_and_sync(cluster, tmp_path, placement, mode):
     by_step = {r["step"]: r["time/idle/device1"] / r["time/step"] for r in metrics}
     got = sorted(e["args"]["idle_fraction"] for e in idle if e["pid"] == 1)
     assert got == pytest.approx(sorted(by_step.values()), rel=0.05)
+
+
+def test_collocated_components_share_one_process_and_train_as_in_four(cluster, tmp_path):
+    """rollout.cohost (default): a collocated plan builds reward, inference and actor in the rollout's process. The
+    stages take turns there exactly as four processes take turns on the device: the same metrics, the same weights."""
+    common = ["cluster.placement=rollout,reward,inference,actor: 0-1:0", "reward.fn=reward_fixtures:digit_fraction",
+              "run.steps=2"]
+    for name, flag in (("one", "true"), ("four", "false")):
+        train(make_cfg(tmp_path, name, f"rollout.cohost={flag}", *common), cluster)
+    pids = {}
+    for name in ("one", "four"):
+        events = json.loads((tmp_path / name / "trace.json").read_text())["traceEvents"]
+        pids[name] = {e["cat"]: e["args"]["pid"] for e in events if e.get("ph") == "X"}
+        assert set(pids[name]) == {"rollout", "reward", "actor"}  # inference only collates here: no span
+    assert len(set(pids["one"].values())) == 1 and len(set(pids["four"].values())) == 3
+    assert [yaml.safe_load((tmp_path / n / "plan.yaml").read_text())["cohosted"] for n in ("one", "four")] == [True,
+                                                                                                              False]
+    for a, b in zip(rows(tmp_path / "one"), rows(tmp_path / "four")):
+        for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response/length_mean"):
+            assert a[k] == b[k], (a["step"], k)
+    wa, wb = weights(tmp_path / "one" / "checkpoints" / "step_2" / "model"), weights(
+        tmp_path / "four" / "checkpoints" / "step_2" / "model")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_pipelined_trace_overlaps_rollout_and_training(cluster, tmp_path):
