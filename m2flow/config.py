@@ -346,10 +346,17 @@ class ActorConfig:
     grad_clip: float = opt(1.0, "max gradient norm")
     mini_batches: int = opt(1, "optimizer steps per training step (the batch is split into this many)")
     epochs: int = opt(1, "passes over the batch per training step")
-    micro_batch: int = opt(32, "samples per forward/backward; also the streaming granularity when pipelined")
+    micro_batch: int = opt(32, "samples per message between stages when pipelined (the streaming granularity); "
+                                "also samples per forward/backward when micro_batch_tokens is 0")
+    micro_batch_tokens: int = opt(8192, "padded tokens per forward/backward: what arrives (a streamed micro-batch, "
+                                        "or the whole batch when collocated) is cut into equal parts of at most this "
+                                        "many (veRL's dynamic batch size); 0: micro_batch samples per part")
     backend: str = opt("torch", "torch: one rank | fsdp2: sharded over the actor's ranks (FSDP2, gloo/NCCL)")
 
     def validate(self, where: str) -> None:
+        if self.micro_batch < 1 or self.micro_batch_tokens < 0:
+            raise ConfigError(f"{where}.micro_batch must be >= 1 and {where}.micro_batch_tokens >= 0, got "
+                              f"{self.micro_batch} and {self.micro_batch_tokens}")
         if self.backend not in ("torch", "fsdp2"):
             raise ConfigError(f"{where}.backend must be torch | fsdp2, got '{self.backend}'")
 

@@ -84,7 +84,7 @@ class ActorWorker(Worker):
             for share in drain(inp, producers, key=self.key, alone=True):
                 share, real = self._fresh(share, ages)
                 with self.device_phase("train", step):
-                    seen += self._backward(share.split(a.micro_batch), stats, real=real)
+                    seen += self._backward(self._micros(share), stats, real=real)
             with self.device_phase("optimizer", step):
                 grad_norm, samples = self._step(seen)
             grad_norms = [grad_norm]
@@ -101,7 +101,7 @@ class ActorWorker(Worker):
                     order = torch.randperm(len(full), generator=gen)
                     for rows in torch.tensor_split(order, a.mini_batches):
                         self.optimizer.zero_grad(set_to_none=True)
-                        n = self._backward(full.select(rows).split(a.micro_batch) if len(rows) else [], stats,
+                        n = self._backward(self._micros(full.select(rows)) if len(rows) else [], stats,
                                            real=bool(real), filler=full)
                         grad_norm, learned = self._step(n)
                         grad_norms.append(grad_norm)
@@ -112,7 +112,7 @@ class ActorWorker(Worker):
         fresh = age <= self.cfg.algorithm.max_staleness
         kept = age[fresh]
         out.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": self.scheduler.get_last_lr()[0],
-                    "actor/samples": samples, "actor/stale_dropped": int((~fresh).sum()),
+                    "actor/samples": samples, "actor/micro_batches": len(stats), "actor/stale_dropped": int((~fresh).sum()),
                     "actor/staleness_mean": float(kept.float().mean()) if len(kept) else 0.0,
                     "actor/staleness_max": int(kept.max()) if len(kept) else 0})
         return out
@@ -139,7 +139,21 @@ class ActorWorker(Worker):
         """Token logprobs of `batch` under the current weights, no gradient, a micro-batch at a time."""
         with torch.no_grad():  # the micro-batches share the batch's padded width
             return torch.cat([token_logprobs(self.model, m.tensors, self.cfg.rollout.temperature)
-                              for m in batch.split(self.cfg.actor.micro_batch)])
+                              for m in self._micros(batch)])
+
+    def _micros(self, batch: Batch) -> list[Batch]:
+        """`batch` cut into forward/backward micro-batches: equal parts of at most `actor.micro_batch_tokens` padded
+        tokens (at least one sample each), or of `actor.micro_batch` samples when that is 0."""
+        a = self.cfg.actor
+        if not a.micro_batch_tokens:
+            return batch.split(a.micro_batch)
+        rows = max(1, a.micro_batch_tokens // max(batch["input_ids"].shape[1], 1))
+        parts = -(-len(batch) // rows)
+        base, extra = divmod(len(batch), max(parts, 1))
+        bounds = [0]
+        for i in range(parts):
+            bounds.append(bounds[-1] + base + (i < extra))
+        return [batch.select(slice(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
 
     def _backward(self, micros: list[Batch], stats: list, real: bool = True, filler: Batch | None = None) -> int:
         """Accumulate sum-of-sample-losses gradients over `micros`; returns the samples learned from. Sharded ranks

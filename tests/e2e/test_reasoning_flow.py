@@ -87,6 +87,26 @@ def test_collocated_components_share_one_process_and_train_as_in_four(cluster, t
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_micro_batches_by_tokens_change_the_passes_not_the_update(cluster, tmp_path):
+    """actor.micro_batch_tokens (default 8192) cuts the collocated whole batch (32 samples of a dozen tokens) into one
+    forward/backward; 0 falls back to actor.micro_batch samples per pass (8 passes of 4). Same update up to rounding."""
+    common = ["cluster.placement=rollout,reward,inference,actor: 0-1:0", "reward.fn=reward_fixtures:digit_fraction",
+              "run.steps=2", "actor.micro_batch=4"]
+    train(make_cfg(tmp_path, "tokens", *common), cluster)
+    train(make_cfg(tmp_path, "samples", "actor.micro_batch_tokens=0", *common), cluster)
+    by_tokens, by_samples = rows(tmp_path / "tokens"), rows(tmp_path / "samples")
+    assert [r["actor/micro_batches"] for r in by_tokens] == [1, 1]
+    assert [r["actor/micro_batches"] for r in by_samples] == [8, 8]
+    for a, b in zip(by_tokens, by_samples):
+        for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    wa, wb = (weights(tmp_path / n / "checkpoints" / "step_2" / "model") for n in ("tokens", "samples"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+    with pytest.raises(C.ConfigError, match="actor.micro_batch_tokens >= 0"):
+        make_cfg(tmp_path, "bad", "actor.micro_batch_tokens=-1")
+
+
 def test_pipelined_trace_overlaps_rollout_and_training(cluster, tmp_path):
     """In the pipelined plan the inference/actor device works while rollout still generates. With 8 decode slots for
     16 prompts x 4 samples the engine finishes two prompt groups at a time (continuous batching), so each micro-batch
