@@ -288,8 +288,9 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=5, help="max completion length, in tokens")
     ap.add_argument("--lr", type=float, default=1e-4, help="learning rate (constant; 5e-4 lowers the 800-step SFT "
                     "model's held-out accuracy in both systems)")
-    ap.add_argument("--micro-batch", type=int, default=32, help="m2flow actor.micro_batch: samples per forward/backward "
-                    "(TRL runs the whole batch at once, per_device_train_batch_size = prompts x n)")
+    ap.add_argument("--micro-batch", type=int, default=32, help="m2flow actor.micro_batch: samples per message when "
+                    "pipelined (forward/backward parts follow actor.micro_batch_tokens, default 8192 padded tokens; TRL "
+                    "runs the whole batch at once, per_device_train_batch_size = prompts x n)")
     ap.add_argument("--kl-coef", type=float, default=0.0, help="KL coefficient (m2flow algorithm.kl_coef = TRL beta)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the median (warm-up)")
