@@ -659,7 +659,10 @@ def _reused_host(cluster: Cluster, key: tuple, env: dict[str, str], cores: list[
             ray.get(actor.rebind.remote(env, cores, pin), timeout=60)
             return actor
         except ray.exceptions.RayError:  # died while idle (or hung): forget it
-            ray.kill(actor, no_restart=True)
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
     return None
 
 
