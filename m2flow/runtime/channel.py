@@ -1,11 +1,13 @@
 """Channel: a named FIFO between processes (the driver and Ray actors): keyed sub-queues, weights, backpressure,
 timeouts, async variants. Knows nothing about RL; no torch.distributed or CUDA IPC (GPU tensors go as Ray pickles them).
 
-One async Ray actor per channel holds the queues, but only small messages. Where an item travels depends on its ends:
-- same process (while no other process has used the channel): by reference. The item stays in this process's
-  table, the actor holds a token, and `get` returns the very same object. Once another process uses the channel
-  (the Channel object is pickled out, or someone connects), pending items are handed over to the actor.
-- another process, same node or not: an item whose pickle is over INLINE_MAX goes through the Ray object store
+One async Ray actor per channel holds the queues once two processes use it, but only small messages. Where an
+item travels depends on its ends:
+- one process (while no other process has put, got or asked anything): the queues live in that process, `get`
+  returns the very same object, and no call leaves the process (its first use asks the actor once whether it is
+  the only user). Once another process uses the channel, the queued items are handed over to the actor, in order,
+  before any other call of either process is served.
+- two or more processes, same node or not: an item whose pickle is over INLINE_MAX goes through the Ray object store
   (shared memory on a node; Ray moves it between nodes) and the actor holds its ObjectRef. CPU tensors anywhere
   in an item are pickled as raw bytes out of band, so `ray.put` is the only copy and the consumer's tensors are
   views of shared memory (read-only by contract: clone before writing in place). Smaller items ride inline.
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import io
-import itertools
+import os
 import pickle
 import sys
 import threading
+import time
 import warnings
+from collections import defaultdict, deque
 
 import numpy as np
 import ray
@@ -35,8 +39,8 @@ __all__ = ["Channel", "ChannelClosed", "ChannelItemLost", "ChannelTimeout"]
 NAMESPACE = "m2flow_channels"  # the Ray namespace of channel actors, so any job process can connect by name
 INLINE_MAX = 64 * 1024  # bytes; larger items go through the object store
 
-# message kinds; a message is (weight, kind, data, owner)
-_INLINE, _STORE, _RAY, _LOCAL, _BROKEN = range(5)
+# message kinds; a message is (weight, kind, data)
+_INLINE, _STORE, _RAY, _BROKEN = range(4)
 
 
 class ChannelTimeout(TimeoutError):
@@ -121,17 +125,72 @@ def _decode(kind, data, fetched):
 
 
 class _Local:
-    """This process's side of one channel: may another process use it yet, and the items put here by reference."""
+    """This process's side of one channel. `mode`: None until this process first uses it; "local" while this process
+    is its only user (the queues live here: key -> deque of (weight, item)); "remote" once it is not."""
 
-    def __init__(self, shared: bool):
-        self.shared = shared
-        self.items: dict[int, object] = {}
-        self.lock = threading.Lock()
-        self.watching = False
+    def __init__(self):
+        self.mode: str | None = None
+        self.cond = threading.Condition()
+        self.queues: dict = defaultdict(deque)
+        self.closed = False
+        self.gone = False  # the actor died or was destroyed
+
+    def wait(self, deadline) -> bool:
+        """cond.wait until notified or the deadline (held: self.cond); False once the deadline has passed."""
+        if deadline is None:
+            self.cond.wait()
+            return True
+        left = deadline - time.monotonic()
+        return left > 0 and (self.cond.wait(left) or True)
+
+    def put(self, key, items, weights, maxsize: int, deadline) -> tuple[str, int]:
+        """Append in order, each waiting for room (held: self.cond). (status, number appended); status "remote":
+        the channel went to the actor meanwhile, the rest goes there."""
+        q = self.queues[key]
+        for n, (item, weight) in enumerate(zip(items, weights)):
+            while not (self.mode != "local" or self.gone or self.closed or not maxsize or len(q) < maxsize):
+                if not self.wait(deadline):
+                    return "timeout", n
+            if self.mode != "local" or self.gone or self.closed:
+                return ("remote" if self.mode != "local" else "gone" if self.gone else "closed"), n
+            q.append((weight, item))
+            self.cond.notify_all()
+        return "ok", len(items)
+
+    def get(self, key, target, deadline) -> tuple[str, list]:
+        """As the actor's get (held: self.cond), waiting until the whole answer is there, so that nothing is taken
+        before it returns."""
+        q = self.queues[key]
+
+        def count() -> int:  # items that answer the get now (0: wait)
+            if target is None:
+                return min(len(q), 1)
+            if target == "all":
+                return len(q)
+            total = 0.0
+            for i, (weight, _) in enumerate(q):
+                total += weight
+                if total >= target:
+                    return i + 1
+            return len(q) if self.closed else 0  # a closed channel's last batch may be short
+
+        while True:
+            if self.mode != "local":
+                return "remote", []
+            if n := count():
+                taken = [q.popleft()[1] for _ in range(n)]
+                self.cond.notify_all()
+                return "ok", taken
+            if self.gone:
+                return "gone", []
+            if self.closed:
+                return "closed", []
+            if not self.wait(deadline):
+                return "timeout", []
 
 
 _LOCALS: dict[str, _Local] = {}  # channel actor id -> this process's side
-_tokens = itertools.count()
+_LOCALS_LOCK = threading.Lock()
 
 
 def _proc() -> str:
@@ -139,24 +198,36 @@ def _proc() -> str:
 
 
 def _hand_over(actor, loc: _Local) -> None:
-    """Another process uses the channel now: move this process's by-reference items into the actor."""
-    with loc.lock:
-        loc.shared = True
-        pending = dict(loc.items)
-    if pending:
-        payloads = {token: _encode_or_broken(item) for token, item in pending.items()}
-        for token in ray.get(actor.hand_over.remote(_proc(), payloads)):
-            loc.items.pop(token, None)
+    """Another process uses the channel now: move the queued items to the actor. Holds loc.cond throughout, so that
+    no call of this process reaches the actor before them."""
+    with loc.cond:
+        if loc.mode != "local":
+            return
+        loc.mode = "remote"
+        payload = {key: [(weight, *_encode_or_broken(item)) for weight, item in q] for key, q in loc.queues.items() if q}
+        loc.queues.clear()
+        try:
+            ray.get(actor.hand_over.remote(payload, loc.closed))
+        except Exception:  # noqa: BLE001 - the actor is gone: every call will say so
+            loc.gone = True
+        loc.cond.notify_all()
 
 
-def _watch(actor, loc: _Local) -> None:
-    """Daemon thread in a process that put items by reference: hand them over once another process shows up."""
+def _watch(actor, loc: _Local, key: str) -> None:
+    """Daemon thread of the process that serves a channel locally: hand it over once another process uses it; when
+    the actor dies, wake this process's waiters."""
     try:
-        while not loc.shared and not ray.get(actor.wait_shared.remote(60.0)):
+        while not ray.get(actor.wait_shared.remote(60.0)):
             pass
-        _hand_over(actor, loc)
-    except Exception:  # noqa: BLE001 - the channel was destroyed or Ray shut down: nothing to hand over
-        pass
+    except Exception:  # noqa: BLE001 - destroyed, or Ray shut down
+        with loc.cond:
+            loc.gone = True
+            loc.cond.notify_all()
+        with _LOCALS_LOCK:
+            if _LOCALS.get(key) is loc:
+                del _LOCALS[key]
+        return
+    _hand_over(actor, loc)
 
 
 # ------------------------------------------------------------------------------------ the actor
@@ -169,26 +240,29 @@ def _actor_class():
     import time
     from collections import defaultdict, deque
 
-    local_kind = _LOCAL
-
     def deadline_of(timeout):
         return None if timeout is None else time.monotonic() + timeout
 
     class ChannelActor:
-        """Holds the keyed queues of one channel. Messages are small: inline bytes, [ObjectRef], or a token."""
+        """Holds the keyed queues of one channel once two processes use it. Messages are small: inline bytes or
+        [ObjectRef]. Until then one process (`owner`) may serve it locally; the actor only counts its users."""
 
         def __init__(self, name: str, maxsize: int):
             self.name, self.maxsize = name, maxsize
             self.queues: dict = defaultdict(deque)
             self.closed = False
             self.procs: set[str] = set()
-            self.shared = False  # True once two processes used the channel: no more by-reference items
+            self.owner: str | None = None  # the process that serves the channel locally while it is the only user
+            self.owner_pid: tuple | None = None  # (node id, pid) of the owner, to notice that it died
+            self.shared = False  # True once two processes used the channel
+            self.awaiting = False  # shared, and the owner's queued items have not arrived yet
             self.cond = asyncio.Condition()  # one condition for every change; waiters re-check their predicate
 
         def _saw(self, proc: str) -> None:
             self.procs.add(proc)
             if len(self.procs) > 1 and not self.shared:
                 self.shared = True
+                self.awaiting = self.owner is not None
                 self.cond.notify_all()
 
         async def _wait(self, ready, deadline) -> bool:
@@ -202,74 +276,97 @@ def _actor_class():
                     pass
             return ready()
 
-        async def put(self, key, msgs: list, timeout, proc: str, by_ref: bool):
+        async def _handed_over(self, deadline) -> bool:
+            """Wait (holding self.cond) for the owner's queued items, noticing an owner that died on this node."""
+            import psutil
+            import ray
+
+            here = ray.get_runtime_context().get_node_id()
+            while self.awaiting:
+                step = 0.25 if deadline is None else min(0.25, deadline - time.monotonic())
+                if step <= 0:
+                    return False
+                await self._wait(lambda: not self.awaiting, time.monotonic() + step)
+                if self.awaiting and self.owner_pid and self.owner_pid[0] == here \
+                        and not psutil.pid_exists(self.owner_pid[1]):
+                    self.awaiting = False  # its items died with it
+            return True
+
+        async def claim(self, proc: str, node: str, pid: int) -> bool:
+            """Whether proc is the channel's only user so far; it then serves the channel locally."""
+            async with self.cond:
+                self._saw(proc)
+                if self.shared:
+                    return False
+                self.owner, self.owner_pid = proc, (node, pid)
+                return True
+
+        async def put(self, key, msgs: list, timeout, proc: str):
             """Append msgs in order, each waiting for room. Returns (status, number appended)."""
             deadline = deadline_of(timeout)
             async with self.cond:
                 self._saw(proc)
+                if not await self._handed_over(deadline):
+                    return "timeout", 0
                 q = self.queues[key]
                 for n, msg in enumerate(msgs):
                     if not await self._wait(lambda: self.closed or not self.maxsize or len(q) < self.maxsize, deadline):
                         return "timeout", n
                     if self.closed:
                         return "closed", n
-                    if by_ref and self.shared:
-                        return "shared", n
                     q.append(msg)
                     self.cond.notify_all()
             return "ok", len(msgs)
 
         async def get(self, key, target, timeout, proc: str):
             """One message (target None), messages until their weights sum to >= target, or (target "all") every
-            message takeable now, at least one. Returns (status, msgs)."""
+            message queued now, at least one. Returns (status, msgs)."""
             deadline = deadline_of(timeout)
             async with self.cond:
                 self._saw(proc)
+                if not await self._handed_over(deadline):
+                    return "timeout", []
                 q, taken, total = self.queues[key], [], 0.0
-
-                def takeable():  # another process's by-reference item waits for its hand-over
-                    return bool(q) and (q[0][1] != local_kind or q[0][3] == proc)
-
                 while True:
-                    await self._wait(lambda: takeable() or (self.closed and not q), deadline)
-                    if takeable():
+                    await self._wait(lambda: bool(q) or self.closed, deadline)
+                    if q:
                         msg = q.popleft()
                         taken.append(msg)
                         total += msg[0]
                         self.cond.notify_all()
-                        if target is None or (total >= target if target != "all" else not takeable()):
+                        if target is None or (total >= target if target != "all" else not q):
                             return "ok", taken
-                    elif self.closed and not q:
+                    elif self.closed:
                         return ("ok", taken) if taken else ("closed", [])
                     else:  # timed out: a partial batch goes back to the front, in order
                         q.extendleft(reversed(taken))
                         self.cond.notify_all()
                         return "timeout", []
 
-        async def hand_over(self, proc: str, payloads: dict) -> list:
-            """Replace proc's by-reference tokens with encoded items; returns the tokens replaced."""
+        async def hand_over(self, payload: dict, closed: bool) -> None:
+            """The owner's queued items (key -> messages, oldest first), ahead of anything put since."""
             async with self.cond:
-                self.shared = True
-                replaced = []
-                for q in self.queues.values():
-                    for i, (weight, kind, data, owner) in enumerate(q):
-                        if kind == local_kind and owner == proc and data in payloads:
-                            q[i] = (weight, *payloads[data], None)
-                            replaced.append(data)
+                for key, msgs in payload.items():
+                    self.queues[key].extendleft(reversed(msgs))
+                self.closed = self.closed or closed
+                self.shared, self.awaiting = True, False
                 self.cond.notify_all()
-                return replaced
 
         async def wait_shared(self, timeout: float) -> bool:
             async with self.cond:
                 return await self._wait(lambda: self.shared, deadline_of(timeout))
 
-        async def close(self) -> None:
+        async def close(self, proc: str) -> None:
             async with self.cond:
+                self._saw(proc)  # another process closing: the owner's gets must come here to learn it
                 self.closed = True
                 self.cond.notify_all()
 
-        async def qsize(self, key) -> int:
-            return len(self.queues.get(key, ()))
+        async def qsize(self, key, proc: str) -> int:
+            async with self.cond:
+                self._saw(proc)
+                await self._handed_over(None)
+                return len(self.queues.get(key, ()))
 
         async def get_maxsize(self) -> int:
             return self.maxsize
@@ -286,10 +383,12 @@ _ChannelActor = _actor_class()
 class Channel:
     """A named FIFO with keyed sub-queues. Small and picklable: pass it to Ray actors as an argument."""
 
-    def __init__(self, name: str, actor, maxsize: int, shared: bool):
+    def __init__(self, name: str, actor, maxsize: int):
         """Use Channel.create or Channel.connect."""
         self.name, self.maxsize, self._actor = name, maxsize, actor
-        self._loc = _LOCALS.setdefault(actor._actor_id.hex(), _Local(shared))
+        self._key = actor._actor_id.hex()
+        with _LOCALS_LOCK:
+            self._loc = _LOCALS.setdefault(self._key, _Local())
 
     @classmethod
     def create(cls, name: str, maxsize: int = 0) -> Channel:
@@ -303,7 +402,7 @@ class Channel:
             ).remote(name, maxsize)
         except ValueError as e:
             raise ValueError(f"channel {name!r} already exists: use Channel.connect({name!r})") from e
-        return cls(name, actor, maxsize, shared=False)
+        return cls(name, actor, maxsize)
 
     @classmethod
     def connect(cls, name: str) -> Channel:
@@ -312,11 +411,10 @@ class Channel:
             actor = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError as e:
             raise ValueError(f"no channel named {name!r} (create it with Channel.create)") from e
-        return cls(name, actor, ray.get(actor.get_maxsize.remote()), shared=True)
+        return cls(name, actor, ray.get(actor.get_maxsize.remote()))
 
     def __reduce__(self):
-        self._share()
-        return Channel, (self.name, self._actor, self.maxsize, True)
+        return Channel, (self.name, self._actor, self.maxsize)
 
     def __repr__(self) -> str:
         return f"Channel({self.name!r}, maxsize={self.maxsize})"
@@ -328,79 +426,117 @@ class Channel:
         self.put_many([item], key, [weight], timeout)
 
     def put_many(self, items, key=None, weights=None, timeout: float | None = None) -> None:
-        """Append items in order (one round trip). On timeout, the items before the one that timed out are in."""
+        """Append items in order (one round trip, none while this process is the only user). On timeout, the items
+        before the one that timed out are in."""
         items, weights = self._items(items, weights)
-        start = 0 if items else None
-        while start is not None:
-            msgs, by_ref = self._messages(items[start:], weights[start:])
-            result = self._wait(self._actor.put.remote(key, msgs, timeout, _proc(), by_ref))
-            start = self._put_done(result, msgs, start, key, timeout)
+        deadline = _deadline(timeout)
+        n = 0
+        if self._serves_locally():
+            with self._loc.cond:
+                status, n = self._loc.put(key, items, weights, self.maxsize, deadline)
+            if status != "remote":
+                return self._put_done(status, n, key, timeout)
+        if n < len(items):
+            msgs = [(w, *_encode(item)) for item, w in zip(items[n:], weights[n:])]
+            status, m = self._wait(self._actor.put.remote(key, msgs, _left(deadline), _proc()))
+            self._put_done(status, n + m, key, timeout)
 
     async def put_async(self, item, key=None, weight: float = 1.0, timeout: float | None = None) -> None:
         await self.put_many_async([item], key, [weight], timeout)
 
     async def put_many_async(self, items, key=None, weights=None, timeout: float | None = None) -> None:
         items, weights = self._items(items, weights)
-        start = 0 if items else None
-        while start is not None:
-            msgs, by_ref = self._messages(items[start:], weights[start:])
-            result = await self._await(self._actor.put.remote(key, msgs, timeout, _proc(), by_ref))
-            start = self._put_done(result, msgs, start, key, timeout)
+        self._go_remote()
+        msgs = [(w, *_encode(item)) for item, w in zip(items, weights)]
+        status, n = await self._await(self._actor.put.remote(key, msgs, timeout, _proc()))
+        self._put_done(status, n, key, timeout)
 
     # ----- get
 
     def get(self, key=None, timeout: float | None = None):
         """The oldest item of the key's sub-queue; waits for one."""
-        msgs = self._got(self._wait(self._actor.get.remote(key, None, timeout, _proc())), key, timeout)
-        return self._items_of(msgs, self._fetch(msgs, key))[0]
+        return self._get(key, None, timeout)[0]
 
     def get_batch(self, target_weight: float, key=None, timeout: float | None = None) -> list:
         """Items in FIFO order until their weights sum to >= target_weight (a closed channel's last may be short)."""
         self._check_target(target_weight)
-        msgs = self._got(self._wait(self._actor.get.remote(key, target_weight, timeout, _proc())), key, timeout)
-        return self._items_of(msgs, self._fetch(msgs, key))
+        return self._get(key, target_weight, timeout)
 
     def get_all(self, key=None, timeout: float | None = None) -> list:
         """Everything queued in the key's sub-queue, in FIFO order, in one round trip; waits for at least one item.
         For a consumer that has the sub-queue to itself (consumers sharing it would each take the others' share)."""
-        msgs = self._got(self._wait(self._actor.get.remote(key, "all", timeout, _proc())), key, timeout)
-        return self._items_of(msgs, self._fetch(msgs, key))
+        return self._get(key, "all", timeout)
 
     async def get_async(self, key=None, timeout: float | None = None):
-        msgs = self._got(await self._await(self._actor.get.remote(key, None, timeout, _proc())), key, timeout)
-        return self._items_of(msgs, await self._fetch_async(msgs, key))[0]
+        return (await self._get_async(key, None, timeout))[0]
 
     async def get_batch_async(self, target_weight: float, key=None, timeout: float | None = None) -> list:
         self._check_target(target_weight)
-        msgs = self._got(await self._await(self._actor.get.remote(key, target_weight, timeout, _proc())), key, timeout)
-        return self._items_of(msgs, await self._fetch_async(msgs, key))
+        return await self._get_async(key, target_weight, timeout)
 
     # ----- the rest
 
     def qsize(self, key=None) -> int:
-        return self._wait(self._actor.qsize.remote(key))
+        if self._serves_locally():
+            with self._loc.cond:
+                if self._loc.mode == "local":
+                    return len(self._loc.queues.get(key, ()))
+        return self._wait(self._actor.qsize.remote(key, _proc()))
 
     def close(self) -> None:
         """No more puts; gets drain what is queued, then raise ChannelClosed."""
-        self._wait(self._actor.close.remote())
+        with self._loc.cond:
+            self._loc.closed = True
+            self._loc.cond.notify_all()
+        self._wait(self._actor.close.remote(_proc()))
 
     def destroy(self) -> None:
         """Kill the channel's actor: queued items are dropped, and every end's calls raise ChannelClosed."""
         ray.kill(self._actor, no_restart=True)
-        _LOCALS.pop(self._actor._actor_id.hex(), None)
+        with self._loc.cond:
+            self._loc.gone = True
+            self._loc.cond.notify_all()
+        with _LOCALS_LOCK:
+            _LOCALS.pop(self._key, None)
 
     # ----- helpers
 
-    def _share(self) -> None:
-        """This Channel object leaves the process: items put here by reference move to the actor."""
+    def _serves_locally(self) -> bool:
+        """Whether this process serves the channel (its first use asks the actor whether it is the only user)."""
         loc = self._loc
-        with loc.lock:
-            if loc.shared:
-                return
-            loc.shared = True
-            pending = bool(loc.items)
-        if pending:  # not inline: this runs inside Ray's serialization of the call that carries the channel
-            threading.Thread(target=_hand_over, args=(self._actor, loc), daemon=True).start()
+        with loc.cond:
+            if loc.mode is None:
+                ctx = ray.get_runtime_context()
+                mine = self._wait(self._actor.claim.remote(_proc(), ctx.get_node_id(), os.getpid()))
+                loc.mode = "local" if mine else "remote"
+                if mine:
+                    threading.Thread(target=_watch, args=(self._actor, loc, self._key), daemon=True,
+                                     name=f"m2flow-channel-{self.name}").start()
+            return loc.mode == "local"
+
+    def _go_remote(self) -> None:
+        """Async calls always go to the actor: hand over first if this process served the channel locally."""
+        loc = self._loc
+        with loc.cond:
+            if loc.mode is None:
+                loc.mode = "remote"
+        if loc.mode == "local":
+            _hand_over(self._actor, loc)
+
+    def _get(self, key, target, timeout) -> list:
+        deadline = _deadline(timeout)
+        if self._serves_locally():
+            with self._loc.cond:
+                status, items = self._loc.get(key, target, deadline)
+            if status != "remote":
+                return self._got(status, items, key, timeout)
+        msgs = self._got(*self._wait(self._actor.get.remote(key, target, _left(deadline), _proc())), key, timeout)
+        return self._items_of(msgs, self._fetch(msgs, key))
+
+    async def _get_async(self, key, target, timeout) -> list:
+        self._go_remote()
+        msgs = self._got(*await self._await(self._actor.get.remote(key, target, timeout, _proc())), key, timeout)
+        return self._items_of(msgs, await self._fetch_async(msgs, key))
 
     def _items(self, items, weights):
         items = list(items)
@@ -409,63 +545,43 @@ class Channel:
             raise ValueError(f"channel {self.name!r}: {len(items)} items but {len(weights)} weights")
         return items, weights
 
-    def _messages(self, items, weights) -> tuple[list, bool]:
-        """Messages for items: tokens while no other process uses the channel, else encoded items."""
-        loc = self._loc
-        with loc.lock:
-            by_ref = not loc.shared
-            if by_ref:
-                proc, msgs = _proc(), []
-                for item, weight in zip(items, weights):
-                    token = next(_tokens)
-                    loc.items[token] = item
-                    msgs.append((weight, _LOCAL, token, proc))
-                start_watch, loc.watching = not loc.watching, True
-        if by_ref:
-            if start_watch:
-                threading.Thread(target=_watch, args=(self._actor, loc), daemon=True).start()
-            return msgs, True
-        return [(weight, *_encode(item), None) for item, weight in zip(items, weights)], False
-
-    def _put_done(self, result, msgs, start, key, timeout):
-        """None when every item is in; the index to resend from when by-reference puts were refused."""
-        status, n = result
-        for _, kind, token, _ in msgs[n:]:  # tokens of items the actor did not take
-            if kind == _LOCAL:
-                self._loc.items.pop(token, None)
+    def _put_done(self, status, n, key, timeout) -> None:
         if status == "ok":
-            return None
-        if status == "shared":
-            self._loc.shared = True
-            return start + n
+            return
         if status == "timeout":
             raise ChannelTimeout(
                 f"channel {self.name!r} key {key!r}: put timed out after {timeout}s "
-                f"(sub-queue full at maxsize={self.maxsize}; {start + n} of the items went in)"
+                f"(sub-queue full at maxsize={self.maxsize}; {n} of the items went in)"
             )
+        if status == "gone":
+            raise self._gone()
         raise ChannelClosed(f"channel {self.name!r} key {key!r}: put on a closed channel")
 
-    def _got(self, result, key, timeout) -> list:
-        status, msgs = result
+    def _got(self, status, msgs, key, timeout) -> list:
         if status == "timeout":
             raise ChannelTimeout(f"channel {self.name!r} key {key!r}: get timed out after {timeout}s")
         if status == "closed":
             raise ChannelClosed(f"channel {self.name!r} key {key!r} is closed and drained")
+        if status == "gone":
+            raise self._gone()
         return msgs
+
+    def _gone(self) -> ChannelClosed:
+        return ChannelClosed(f"channel {self.name!r} is gone: its actor died or was destroyed")
 
     def _check_target(self, target_weight):
         if not target_weight > 0:
             raise ValueError(f"channel {self.name!r}: target_weight must be > 0, got {target_weight}")
 
     def _fetch(self, msgs, key) -> list:
-        refs = [data[0] for _, kind, data, _ in msgs if kind in (_STORE, _RAY)]
+        refs = [data[0] for _, kind, data in msgs if kind in (_STORE, _RAY)]
         try:
             return ray.get(refs) if refs else []
         except ObjectLostError as e:  # OwnerDiedError included
             raise self._lost(key) from e
 
     async def _fetch_async(self, msgs, key) -> list:
-        refs = [data[0] for _, kind, data, _ in msgs if kind in (_STORE, _RAY)]
+        refs = [data[0] for _, kind, data in msgs if kind in (_STORE, _RAY)]
         try:
             return list(await asyncio.gather(*refs)) if refs else []
         except ObjectLostError as e:
@@ -479,23 +595,29 @@ class Channel:
 
     def _items_of(self, msgs, fetched) -> list:
         fetched, out = iter(fetched), []
-        for _, kind, data, _ in msgs:
-            if kind == _LOCAL:
-                out.append(self._loc.items.pop(data))
-            elif kind == _BROKEN:
-                raise RuntimeError(f"channel {self.name!r}: an item put by reference could not reach here: {data}")
-            else:
-                out.append(_decode(kind, data, next(fetched) if kind != _INLINE else None))
+        for _, kind, data in msgs:
+            if kind == _BROKEN:
+                raise RuntimeError(f"channel {self.name!r}: an item queued in its producer's process could not be "
+                                   f"handed over to another process: {data}")
+            out.append(_decode(kind, data, next(fetched) if kind != _INLINE else None))
         return out
 
     def _wait(self, ref):
         try:
             return ray.get(ref)
         except RayActorError as e:
-            raise ChannelClosed(f"channel {self.name!r} is gone: its actor died or was destroyed") from e
+            raise self._gone() from e
 
     async def _await(self, ref):
         try:
             return await ref
         except RayActorError as e:
-            raise ChannelClosed(f"channel {self.name!r} is gone: its actor died or was destroyed") from e
+            raise self._gone() from e
+
+
+def _deadline(timeout):
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline):
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -128,11 +128,30 @@ def assert_payload_equal(got, want):
 
 def test_same_process_fifo_by_reference(chan):
     items = [{"x": torch.arange(3)}, [1, 2], "three", torch.randn(1000, 1000), None]
-    for it in items:
-        chan.put(it)
-    assert chan.qsize() == 5
-    got = [chan.get(timeout=5) for _ in items]
-    assert all(g is it for g, it in zip(got, items))  # the very same objects, never serialized
+    chan.put(items[0])  # the first use asks the actor once whether this process is the only user
+    actor, chan._actor = chan._actor, None  # from here on no call may reach the actor
+    try:
+        for it in items[1:]:
+            chan.put(it)
+        assert chan.qsize() == 5
+        got = [chan.get(timeout=5) for _ in items]
+        assert all(g is it for g, it in zip(got, items))  # the very same objects, never serialized
+        chan.put_many(list("abcd"), key="k", weights=[1, 2, 1, 5])
+        assert chan.get_batch(3, key="k", timeout=5) == ["a", "b"]
+        with pytest.raises(ChannelTimeout, match="get timed out after 0.1s"):
+            chan.get_batch(7, key="k", timeout=0.1)  # only 6 of weight: nothing is taken
+        assert chan.get_all(key="k", timeout=5) == ["c", "d"]
+    finally:
+        chan._actor = actor
+
+
+def test_hand_over_keeps_each_producers_order(chan, procs):
+    chan.put_many([1, 2])  # queued in this process
+    later = procs[0].run.remote(lambda ch: ch.put(3), chan)  # another process: the channel moves to the actor
+    ray.get(later, timeout=20)
+    chan.put(4)
+    got = ray.get(procs[1].run.remote(lambda ch: [ch.get(timeout=10) for _ in range(4)], chan), timeout=30)
+    assert got == [1, 2, 3, 4]  # the queued items first, then what came after, in order
     assert chan.qsize() == 0
 
 

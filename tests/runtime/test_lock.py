@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import ray
 
 from m2flow.runtime import ComponentPlacement, Worker, WorkerError, release_all, wait_all
 
@@ -124,3 +125,25 @@ def test_dead_holder_releases_the_device(cluster, groups):
     waiting.wait(timeout=15)  # a gets the device once b's process is gone
     with pytest.raises(WorkerError, match="b rank 0: process died"):
         holding.wait(timeout=15)
+
+
+def test_a_process_keeps_the_device_between_its_owners_turns_until_another_process_asks(cluster, groups):
+    _, _, c = groups  # c works on device 1
+    lock = cluster.device_lock(1)
+    server_holder = lambda: ray.get(lock._server.holder.remote(1))  # noqa: E731 - what other processes see
+    c.work(1, 0).wait(timeout=10)  # c's process holds device 1 now (this one gave back what earlier tests left)
+    assert lock.acquire("p/1", timeout=10)
+    lock.release("p/1")
+    assert lock.holder() is None and server_holder() == "p/1"  # held between turns, for this process
+    assert lock.acquire("p/2", timeout=5)  # taken here, without asking the server
+    assert lock.holder() == "p/2" and server_holder() == "p/1"
+    waiting = c.work(1, 0)  # another process asks: it waits for p/2's turn to end, not longer
+    time.sleep(0.5)
+    assert not waiting.done()
+    lock.release("p/2")
+    waiting.wait(timeout=10)
+    assert server_holder() != "p/1"  # given back to the server, so c could take it
+    assert lock.acquire("p/3", timeout=10)  # and this process asks the server again, in turn
+    assert server_holder() == "p/3"
+    lock.release("p/3")
+    c.work(1, 0).wait(timeout=10)  # an idle hold goes back at once
