@@ -298,7 +298,10 @@ class RolloutConfig:
     top_p: float = opt(1.0, "nucleus sampling threshold")
     top_k: int = opt(0, "top-k sampling (0: off)")
     max_slots: int = opt(256, "native engine: concurrent sequences (continuous batching slots)")
-    check_weight_sync: bool = opt(True, "after each sync, verify the rollout weights equal the actor's")
+    check_weight_sync: bool | str = opt("first", "verify that the receivers' weights equal the actor's (a hash of every "
+                                                 "weight on both sides): first = at the run's first two syncs (the "
+                                                 "start and after its first update), true = after every sync, false = "
+                                                 "never")
     cohost: bool = opt(True, "collocated plans (every component on the same devices, rank by rank): build reward, "
                              "inference and actor inside the rollout's processes, one process per rank taking the "
                              "stages in turn, instead of four processes taking turns on the device")
@@ -306,8 +309,14 @@ class RolloutConfig:
     def validate(self, where: str) -> None:
         if self.engine not in ("native", "hf"):
             raise ConfigError(f"{where}.engine must be native | hf, got '{self.engine}'")
+        if isinstance(self.check_weight_sync, str) and self.check_weight_sync != "first":
+            raise ConfigError(f"{where}.check_weight_sync must be first | true | false, got '{self.check_weight_sync}'")
         if self.n < 1 or self.prompts_per_step < 1 or self.max_new_tokens < 1:
             raise ConfigError(f"{where}.n, prompts_per_step and max_new_tokens must be >= 1")
+
+    def checks_sync(self, syncs_done: int) -> bool:
+        """Whether the weight sync after `syncs_done` earlier syncs of this run is verified."""
+        return self.check_weight_sync is True or (self.check_weight_sync == "first" and syncs_done < 2)
 
 
 @dataclass

@@ -230,7 +230,7 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
                         chain(groups, b, d)
                 for _ in range(repeats):
                     t = time.perf_counter()
-                    sync_weights(actor, receivers, check=cfg.rollout.check_weight_sync)
+                    sync_weights(actor, receivers, check=cfg.rollout.checks_sync(2))  # as in a run's steady state
                     info.setdefault("sync", []).append(time.perf_counter() - t)
                 if d == min(devices):
                     info["state"] = {name: g.state_bytes().wait()[0] for name, g in zip(COMPONENTS, groups)}

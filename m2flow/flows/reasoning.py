@@ -80,7 +80,8 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
         restore_driver_state(ckpt, train_set)
         run.drop_metrics_after(start)
     receivers = [rollout, inference] if cfg.recompute_old_logprobs() else [rollout]  # who holds the current policy
-    sync_weights(actor, receivers, check=cfg.rollout.check_weight_sync)
+    local_sync = cohost and all(g.world_size == 1 for g in receivers)  # every receiver in the actor's process
+    sync_weights(actor, receivers, check=cfg.rollout.checks_sync(0), local=local_sync)
 
     def produce(k: int) -> tuple:
         """Start step k's rollout -> reward -> inference on the weights the rollout holds now; returns (the data
@@ -107,7 +108,8 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
             _, handles, ready = in_flight.popleft()
             results = wait_all([*handles, actor.train(ready, step, inference.world_size)])
             t1 = time.perf_counter()
-            sync_weights(actor, receivers, check=cfg.rollout.check_weight_sync)
+            checked = cfg.rollout.checks_sync(step - start + 1)
+            sync_weights(actor, receivers, check=checked, local=local_sync)
             t2, w2 = time.perf_counter(), time.time()
             spans = gather_spans(groups, clear=True)
             trace += spans if cfg.run.trace else []
@@ -115,6 +117,7 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
             counters += [{"device": d, "time": w0, "name": "idle_fraction",
                           "value": last[f"time/idle/device{d}"] / (w2 - w0)} for d in devices]
             last.update({"time/step": t2 - t0, "time/rollout": last.get("rollout/seconds", 0.0), "time/weight_sync": t2 - t1,
+                         "sync/checked": int(checked),
                          "throughput/tokens_per_s": last.get("rollout/tokens", 0) / (t2 - t0)})
             run.log(step + 1, last)
             if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps:
@@ -138,10 +141,10 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
             "final_model": str(run.path / "checkpoints" / f"step_{cfg.run.steps}" / "model")}
 
 
-def sync_weights(actor, receivers, check: bool) -> None:
+def sync_weights(actor, receivers, check: bool, local: bool = False) -> None:
     """The actor publishes its weights once (rank 0, gathered from every rank if sharded); every receiver rank loads
-    them in place."""
-    weights = actor.publish_weights(check).wait()[0]
+    them in place. `local`: the receivers live in the actor's process (co-hosted), so the weights stay in it."""
+    weights = actor.publish_weights(check, local).wait()[0]
     digests = [d for h in wait_all([g.load_weights(weights) for g in receivers]) for d in h]
     if check and any(d != weights.digest for d in digests):
         raise RuntimeError(f"weight sync v{weights.version}: a receiver's weights differ from the actor's")

@@ -1,5 +1,7 @@
 """Versioned weight sync between groups: the sender publishes a state dict once into the Ray object
-store (shared memory on one node, moved by Ray between nodes) and every receiver loads it in place.
+store (shared memory on one node, moved by Ray between nodes) and every receiver loads it in place. When every
+receiver lives in the sender's process (co-hosted groups), the sender publishes the tensors themselves instead:
+no object-store copy, and the receivers copy straight from them.
 
 It moves tensors and checks them; it does not know which model they belong to.
 """
@@ -25,6 +27,14 @@ class WeightsRef:
     version: int
     ref: list  # [ObjectRef per bucket], wrapped in a list so Ray passes the references themselves, not their values
     digest: str | None  # state_digest of the weights; None when the sender did not ask receivers to check them
+    local: str | None = None  # the publishing process (Ray worker id) when the weights stay in it; `ref` is then empty
+
+
+_PUBLISHED: dict[int, dict[str, torch.Tensor]] = {}  # this process's in-process publication: version -> tensors
+
+
+def _process_id() -> str:
+    return ray.get_runtime_context().get_worker_id()
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -49,24 +59,34 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
 
 
 def publish(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
-            bucket_bytes: int = BUCKET_BYTES, digest: bool = True) -> WeightsRef:
+            bucket_bytes: int = BUCKET_BYTES, digest: bool = True, local: bool = False) -> WeightsRef:
     """Put a state dict into the object store in buckets of about `bucket_bytes`; receivers on the same node read
     them zero-copy, others get them moved by Ray (one copy per node: a broadcast). `state` may be a dict or an
     iterator of (name, tensor) in sorted name order, e.g. tensors gathered one at a time from a sharded model.
-    `digest=False`: no hash of the bytes (it costs a pass over every weight on sender and receivers alike)."""
+    `digest=False`: no hash of the bytes (it costs a pass over every weight on sender and receivers alike).
+    `local=True`: every receiver runs in this process; it keeps the tensors themselves (the latest publication only)
+    and receivers copy from them: do not change them until the receivers have loaded."""
     items = sorted(state.items()) if isinstance(state, dict) else state
     h, refs, arrays, dtypes, size, last = hashlib.sha1(), [], {}, {}, 0, None
+    kept: dict[str, torch.Tensor] = {}
     for name, tensor in items:
         if last is not None and name <= last:
             raise ValueError(f"publish: tensors must come in sorted name order; {name!r} came after {last!r}")
         last = name
         if digest:
             _hash_into(h, name, tensor)
+        if local:
+            kept[name] = tensor.detach()
+            continue
         arrays[name], dtypes[name] = _to_numpy(tensor), str(tensor.dtype)
         size += arrays[name].nbytes
         if size >= bucket_bytes:
             refs.append(ray.put((arrays, dtypes)))
             arrays, dtypes, size = {}, {}, 0
+    if local:
+        _PUBLISHED.clear()
+        _PUBLISHED[version] = kept
+        return WeightsRef(version, [], h.hexdigest() if digest else None, local=_process_id())
     if arrays or not refs:
         refs.append(ray.put((arrays, dtypes)))
     return WeightsRef(version, refs, h.hexdigest() if digest else None)
@@ -74,6 +94,13 @@ def publish(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
 
 def _buckets(weights: WeightsRef) -> Iterator[dict[str, torch.Tensor]]:
     """Each bucket as {name: tensor} (read-only views of shared memory where possible), fetched one at a time."""
+    if weights.local is not None:
+        if weights.local != _process_id() or weights.version not in _PUBLISHED:
+            raise RuntimeError(f"weights v{weights.version} were published for receivers in the publishing process "
+                               f"only (publish(local=True)); this receiver runs in another process, or a newer "
+                               f"version replaced them")
+        yield _PUBLISHED[weights.version]
+        return
     for ref in weights.ref:
         arrays, dtypes = ray.get(ref)
         out = {}

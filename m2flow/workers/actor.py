@@ -212,13 +212,13 @@ class ActorWorker(Worker):
         return float(full_tensor(norm)), total
 
     # -- weights and checkpoints ---------------------------------------------------------------
-    def publish_weights(self, check: bool = True):
+    def publish_weights(self, check: bool = True, local: bool = False):
         """Rank 0 publishes the full weights (a sharded actor gathers them one tensor at a time, every rank taking
         part, and publishes them in buckets), with their digest when the receivers' copies are to be `check`ed;
-        other ranks return None."""
+        other ranks return None. `local`: every receiver lives in rank 0's process (co-hosted): no object store."""
         items = full_state_items(self.model) if self.sharded else self.model.state_dict()
         if self.rank == 0:
-            return publish(items, self.version, digest=check)
+            return publish(items, self.version, digest=check, local=local)
         for _ in items:
             pass
         return None

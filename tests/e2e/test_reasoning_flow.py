@@ -53,7 +53,9 @@ def test_grpo_steps_train_and_sync(cluster, tmp_path, placement, mode):
     before = weights(tmp_path / mode / "init_model")
     after = weights(tmp_path / mode / "checkpoints" / "step_3" / "model")
     assert any(not torch.equal(before[k], after[k]) for k in before), "training did not change the weights"
-    # check_weight_sync is on by default: each step verified rollout == actor weights, else train() raised
+    # rollout.check_weight_sync=first: the start's sync and step 1's verified rollout == actor weights (else train()
+    # raised); later syncs trust the transport
+    assert [r["sync/checked"] for r in metrics] == [1, 0, 0]
     trace = json.loads((tmp_path / mode / "trace.json").read_text())
     phases = {e.get("name") for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert {"generate", "reward", "logprobs", "train"} <= phases
@@ -152,6 +154,8 @@ def test_on_policy_steps_reuse_the_rollout_logprobs(cluster, tmp_path):
     assert make_cfg(tmp_path, "x", "actor.epochs=2", "algorithm.old_logprobs=rollout").recompute_old_logprobs() is False
     with pytest.raises(C.ConfigError, match=re.escape("algorithm.old_logprobs must be auto | recompute | rollout, got 'old'")):
         make_cfg(tmp_path, "x", "algorithm.old_logprobs=old")
+    with pytest.raises(C.ConfigError, match=re.escape("rollout.check_weight_sync must be first | true | false, got 'last'")):
+        make_cfg(tmp_path, "x", "rollout.check_weight_sync=last")
 
 
 def test_reward_rises_on_a_learnable_task(cluster, tmp_path):

@@ -4,7 +4,7 @@ module, and its digest is the receiver's `state_digest`; a worker on another pro
 import pytest
 import torch
 
-from m2flow.runtime import ComponentPlacement, Worker, release_all
+from m2flow.runtime import ComponentPlacement, Worker, WorkerError, release_all
 from m2flow.runtime.weights import WeightsRef, fetch, load_into, loaded_digest, publish, state_digest
 
 
@@ -74,3 +74,22 @@ def test_other_processes_receive_the_buckets(cluster):
         assert group.load(weights).wait() == [weights.digest, weights.digest]
     finally:
         release_all([group])
+
+
+def test_local_publication_stays_in_the_process_and_other_processes_are_refused(cluster):
+    src = _model(0)
+    weights = publish(src.state_dict(), 2, local=True)
+    assert weights.ref == [] and weights.local is not None  # nothing went to the object store
+    dst = _model(1)
+    load_into(dst, weights)
+    assert state_digest(dst.state_dict()) == weights.digest == state_digest(src.state_dict())
+    group = Receiver.launch(cluster, ComponentPlacement("receiver", ((0,),)))
+    try:
+        with pytest.raises(WorkerError, match="published for receivers in the publishing process only"):
+            group.load(weights).wait()
+    finally:
+        release_all([group])
+    newer = publish(src.state_dict(), 3, local=True)
+    with pytest.raises(RuntimeError, match="a newer version replaced them"):
+        load_into(dst, weights)  # only the latest publication is kept
+    load_into(dst, newer)
