@@ -55,18 +55,22 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
                          -(-cfg.env.num_envs // stages))
     # lockstep on shared devices: no overlap to gain from separate processes, only the hand-overs' Ray hops to save
     cohost = cfg.rollout.cohost and stages == 1 and plan["rollout"].rank_devices == plan["env"].rank_devices
+    # and an actor on those devices too: the trajectories and the weights stay in one process (the stages take turns)
+    actor_cohost = cohost and plan["actor"].rank_devices == plan["env"].rank_devices
     (run.path / "plan.yaml").write_text(yaml.safe_dump({**plan.to_dict(), "pipeline_stages": stages,
-                                                        "rollout_in_env_process": cohost}, sort_keys=False))
+                                                        "rollout_in_env_process": cohost,
+                                                        "actor_in_env_process": actor_cohost}, sort_keys=False))
 
     env = EnvWorker.launch(cluster, plan["env"], cfg, run_dir=str(run.path))
     obs_space, action_space = env.on(0).spaces().wait()[0]
     rollout, actor = launch_all(cluster, [(PolicyWorker, plan["rollout"], (cfg, obs_space, action_space)),
                                           (EmbodiedActorWorker, plan["actor"], (cfg, obs_space, action_space))],
-                                run_dir=str(run.path), host_with=[env if cohost else None, None])
+                                run_dir=str(run.path), host_with=[env if cohost else None, env if actor_cohost else None])
     groups = [env, rollout, actor]
     trajectories = Channel.create(f"{run.path.resolve()}:{time.time_ns()}/trajectories")
     # env worker r asks policy worker r % R for its actions; every actor rank gets every trajectory
     policy_of = [rollout.on(r % rollout.world_size) for r in range(env.world_size)]
+    local_sync = actor_cohost and rollout.world_size == 1  # the one policy worker lives in the actor's process
 
     start, env_steps, recent = 0, 0, deque(maxlen=cfg.run.stop_window)
     if cfg.run.resume and (found := run.latest_checkpoint()):
@@ -75,7 +79,7 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
         state = torch.load(ckpt / "driver.pt", weights_only=False)
         env_steps, recent = state["env_steps"], deque(state["recent"], maxlen=cfg.run.stop_window)
         run.drop_metrics_after(start)
-    sync_weights(actor, rollout)
+    sync_weights(actor, rollout, local_sync)
 
     last, step, saved = {}, start, None
     try:
@@ -91,7 +95,7 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
                         actor.train(trajectories, step, env.world_size),
                     ])
                     t1 = time.perf_counter()
-                    sync_weights(actor, rollout)
+                    sync_weights(actor, rollout, local_sync)
                     t2 = time.perf_counter()
                     recent.extend(e["return"] for out in env_out for e in out["episodes"])
                     env_steps += sum(out["env_steps"] for out in env_out)
@@ -135,9 +139,10 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
     return result
 
 
-def sync_weights(actor, rollout) -> None:
-    """Actor rank 0 publishes its weights once; every policy worker loads them in place and must match."""
-    weights = actor.on([0]).publish_weights().wait()[0]
+def sync_weights(actor, rollout, local: bool = False) -> None:
+    """Actor rank 0 publishes its weights once; every policy worker loads them in place and must match. `local`: the
+    policy workers live in actor rank 0's process, so the weights stay in it."""
+    weights = actor.on([0]).publish_weights(local).wait()[0]
     if any(d != weights.digest for d in rollout.load_weights(weights).wait()):
         raise RuntimeError(f"weight sync v{weights.version}: a policy worker's weights differ from the actor's")
 

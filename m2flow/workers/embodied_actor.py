@@ -160,8 +160,9 @@ class EmbodiedActorWorker(Worker):
         return out
 
     # -- weights and checkpoints -----------------------------------------------------------------
-    def publish_weights(self):
-        return publish(self.policy.state_dict(), self.version)
+    def publish_weights(self, local: bool = False):
+        """The policy's weights with their digest; `local`: for receivers in this process only (no object store)."""
+        return publish(self.policy.state_dict(), self.version, local=local)
 
     def save_checkpoint(self, directory: str) -> None:
         """policy.safetensors + actor_state.pt (optimizer, minibatch RNG, version) under `directory`."""

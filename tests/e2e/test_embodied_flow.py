@@ -80,8 +80,10 @@ def test_hybrid_pipelined_run_matches_lockstep_and_its_trace_shows_overlap(clust
     hybrid = train(cfg_for(tmp_path, "hybrid", cluster={"placement": "env: 0; rollout: 1; actor: 0-1"},
                            env={"pipeline_stages": 2}), cluster)
     assert hybrid["plan"]["mode"] == "hybrid" and hybrid["plan"]["placement"]["actor"] == [[0], [1]]
-    in_env = [yaml.safe_load(open(f"{r['run_dir']}/plan.yaml"))["rollout_in_env_process"] for r in (lockstep, hybrid)]
-    assert in_env == [True, False]  # lockstep on one device: the policy worker lives in the env worker's process
+    plans = [yaml.safe_load(open(f"{r['run_dir']}/plan.yaml")) for r in (lockstep, hybrid)]
+    # lockstep on one device: the policy worker and the actor live in the env worker's process
+    assert [p["rollout_in_env_process"] for p in plans] == [True, False]
+    assert [p["actor_in_env_process"] for p in plans] == [True, False]
     for a, b in zip(rows(lockstep), rows(hybrid)):
         assert a["rollout/episodes"] == b["rollout/episodes"] and a["rollout/return"] == b["rollout/return"]
         assert a["actor/vf_loss"] == pytest.approx(b["actor/vf_loss"], rel=1e-4)
