@@ -77,7 +77,8 @@ class InferenceWorker(Worker):
         return {"inference/samples": sent}
 
     def _emit(self, groups: list[dict], out, step: int, consumers: int) -> int:
-        batch = groups_to_batch(groups, self.pad_id)
+        with self.span("collate", step):  # CPU work beside the device's tenants, as reward scoring
+            batch = groups_to_batch(groups, self.pad_id)
         if not self.recompute:
             batch["old_logprobs"] = batch["rollout_logprobs"]
         if self.model is not None or self.ref is not None:

@@ -77,8 +77,8 @@ def test_collocated_components_share_one_process_and_train_as_in_four(cluster, t
     for name in ("one", "four"):
         events = json.loads((tmp_path / name / "trace.json").read_text())["traceEvents"]
         pids[name] = {e["cat"]: e["args"]["pid"] for e in events if e.get("ph") == "X"}
-        assert set(pids[name]) == {"rollout", "reward", "actor"}  # inference only collates here: no span
-    assert len(set(pids["one"].values())) == 1 and len(set(pids["four"].values())) == 3
+        assert set(pids[name]) == {"rollout", "reward", "inference", "actor"}  # inference only collates here
+    assert len(set(pids["one"].values())) == 1 and len(set(pids["four"].values())) == 4
     assert [yaml.safe_load((tmp_path / n / "plan.yaml").read_text())["cohosted"] for n in ("one", "four")] == [True,
                                                                                                               False]
     for a, b in zip(rows(tmp_path / "one"), rows(tmp_path / "four")):
