@@ -377,8 +377,8 @@ def main() -> int:
               + (f", algorithm.max_staleness={STALENESS[plan]}" if plan in STALENESS else ""))
     half = max(1, CORES // 2)
     print(f"threads: m2flow pipelined = one process per component, pinned to its device's {half} core(s), {half} torch "
-          f"thread(s) each; m2flow collocated = one process per component over all {CORES} cores, {CORES} threads, "
-          f"taking turns; TRL = this process, torch.set_num_threads({args.trl_threads}).")
+          f"thread(s) each; m2flow collocated = one process for all four components (rollout.cohost) over all {CORES} "
+          f"cores, {CORES} threads, the stages taking turns; TRL = this process, torch.set_num_threads({args.trl_threads}).")
     print(f"median s/step = median over rounds of each run's median step; speedup vs TRL = median over quiet rounds of "
           f"TRL's median s/step / the plan's in the same round; idle = m2flow's time/idle_fraction (median step); "
           f"per-step numbers: {out / 'results.json'}")
