@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--out", default=None, help="folder for plan_<N>dev.yaml and the predicted timeline PNG")
     pl.add_argument("--top", type=int, default=10, help="candidates to list")
 
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     import torch
 
     from m2flow.config import ConfigError
@@ -69,6 +69,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"m2flow: config error: {err}", file=sys.stderr)
         return 2
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse `argv`, taking config overrides (`key=value`) before or after options: `m2flow eval CKPT --k 1
+    data.eval_size=50` as `m2flow eval CKPT data.eval_size=50 --k 1` (argparse stops a positional list at the first
+    option and would reject what follows)."""
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and not any(x.startswith("-") or "=" not in x for x in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
 
 
 def cmd_demo(args) -> int:

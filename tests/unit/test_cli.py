@@ -1,0 +1,29 @@
+"""The command line: config overrides are taken before or after options, in the order given; anything else that is
+not an option of the command is refused with argparse's message."""
+
+import pytest
+
+from m2flow import cli
+
+
+@pytest.fixture
+def seen(monkeypatch):
+    got = {}
+    for name in ("eval", "train"):
+        monkeypatch.setitem(cli.COMMANDS, name, lambda args: got.update(vars(args)) or 0)
+    return got
+
+
+def test_overrides_before_or_after_options(seen):
+    assert cli.main(["eval", "runs/x/checkpoints/step_3", "--k", "1", "data.eval_size=50"]) == 0
+    assert seen["model"] == "runs/x/checkpoints/step_3" and seen["k"] == 1 and seen["overrides"] == ["data.eval_size=50"]
+    assert cli.main(["train", "grpo_arithmetic", "run.steps=5", "--help-config", "run.name=a", "actor.lr=1e-4"]) == 0
+    assert seen["help_config"] is True and seen["overrides"] == ["run.steps=5", "run.name=a", "actor.lr=1e-4"]
+
+
+def test_unknown_arguments_are_refused(seen, capsys):
+    for argv in (["eval", "ckpt", "--bogus", "1"], ["eval", "ckpt", "--k", "1", "stray"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+        assert "unrecognized arguments" in capsys.readouterr().err
