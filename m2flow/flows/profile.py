@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from m2flow.engines.hf import load_tokenizer
-from m2flow.runtime import Channel, Cluster, concurrent, parse_placement, release_all
+from m2flow.runtime import Channel, Cluster, concurrent, parse_placement, running
 from m2flow.scheduler.profile import ComponentInfo, Machine, Measurement, Profile, Transfer, Weights
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.common import END, drain
@@ -220,7 +220,7 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
     try:
         for d in devices:
             groups = _launch(cluster, cfg, model_path, d, work_dir)
-            try:
+            with running(groups):  # released after it (the processes host the next probes or the run), killed on a raise
                 rollout, reward, inference, actor = groups
                 receivers = [rollout, inference] if cfg.recompute_old_logprobs() else [rollout]
                 sync_weights(actor, receivers, check=False)
@@ -239,11 +239,6 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
                     info["transfer"] = _transfer(reward, inp, info["items"])
                     info["switch"] = {name: _switch(g, repeats) for name, g in zip(COMPONENTS, groups)
                                       if name != "reward"}
-            except BaseException:
-                for g in groups:
-                    g.kill()
-                raise
-            release_all(groups)  # their processes host the next probes (or the run)
     finally:
         inp.destroy()
         out.destroy()

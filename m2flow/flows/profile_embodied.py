@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from m2flow.flows.profile import _Probe, median_rows
-from m2flow.runtime import Channel, Cluster, parse_placement, release_all
+from m2flow.runtime import Channel, Cluster, parse_placement, running
 from m2flow.scheduler.profile import (
     ComponentInfo,
     LoopLatency,
@@ -92,7 +92,7 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
             placement = parse_placement(f"env,rollout,actor: {last}", cluster.num_devices, COMPONENTS)
             env = EnvProbe.launch(cluster, placement["env"], cfg, run_dir=str(work_dir))
             groups = [env]
-            try:
+            with running(groups):  # released after it, killed on a raise
                 spaces = env.on(0).spaces().wait()[0]
                 policy = PolicyProbe.launch(cluster, placement["rollout"], cfg, *spaces, run_dir=str(work_dir))
                 groups.append(policy)
@@ -134,11 +134,6 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                     info["state"] = {"rollout": policy.model_bytes().wait()[0], "actor": actor.state_bytes().wait()[0]}
                     info["weights"] = actor.model_bytes().wait()[0]
                     info["machine"] = env.machine(len(cluster.nodes[0]["devices"])).wait()[0]
-            except BaseException:
-                for g in groups:
-                    g.kill()
-                raise
-            release_all(groups)  # their processes host the next probes (or the run)
         if cluster.num_devices >= 2 and 1 in devices:
             info["split"], step = _split_loop(cfg, cluster, trajectories, work_dir, repeats, step)
     finally:
@@ -159,7 +154,7 @@ def _split_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: in
     placement = parse_placement("env: 0; rollout: 1", cluster.num_devices, COMPONENTS[:2])
     env = EnvProbe.launch(cluster, placement["env"], cfg, run_dir=str(work_dir))
     groups, waits = [env], []
-    try:
+    with running(groups):  # released after it, killed on a raise
         env.resize(cfg.env.num_envs).wait()
         policy = PolicyProbe.launch(cluster, placement["rollout"], cfg, *env.on(0).spaces().wait()[0],
                                     run_dir=str(work_dir))
@@ -170,11 +165,6 @@ def _split_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: in
             step += 1
             if i:
                 waits.append(out["wait_time"] - out["policy_time"])
-    except BaseException:
-        for g in groups:
-            g.kill()
-        raise
-    release_all(groups)
     return statistics.median(waits), step
 
 
