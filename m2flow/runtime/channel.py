@@ -24,7 +24,6 @@ import os
 import pickle
 import sys
 import threading
-import time
 import warnings
 from collections import defaultdict, deque
 
@@ -33,6 +32,8 @@ import ray
 import ray.cloudpickle as cloudpickle
 from ray.exceptions import ObjectLostError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .deadline import deadline_of, seconds_left, wait
 
 __all__ = ["Channel", "ChannelClosed", "ChannelItemLost", "ChannelTimeout"]
 
@@ -135,21 +136,13 @@ class _Local:
         self.closed = False
         self.gone = False  # the actor died or was destroyed
 
-    def wait(self, deadline) -> bool:
-        """cond.wait until notified or the deadline (held: self.cond); False once the deadline has passed."""
-        if deadline is None:
-            self.cond.wait()
-            return True
-        left = deadline - time.monotonic()
-        return left > 0 and (self.cond.wait(left) or True)
-
     def put(self, key, items, weights, maxsize: int, deadline) -> tuple[str, int]:
         """Append in order, each waiting for room (held: self.cond). (status, number appended); status "remote":
         the channel went to the actor meanwhile, the rest goes there."""
         q = self.queues[key]
         for n, (item, weight) in enumerate(zip(items, weights)):
             while not (self.mode != "local" or self.gone or self.closed or not maxsize or len(q) < maxsize):
-                if not self.wait(deadline):
+                if not wait(self.cond, deadline):
                     return "timeout", n
             if self.mode != "local" or self.gone or self.closed:
                 return ("remote" if self.mode != "local" else "gone" if self.gone else "closed"), n
@@ -185,7 +178,7 @@ class _Local:
                 return "gone", []
             if self.closed:
                 return "closed", []
-            if not self.wait(deadline):
+            if not wait(self.cond, deadline):
                 return "timeout", []
 
 
@@ -429,7 +422,7 @@ class Channel:
         """Append items in order (one round trip, none while this process is the only user). On timeout, the items
         before the one that timed out are in."""
         items, weights = self._items(items, weights)
-        deadline = _deadline(timeout)
+        deadline = deadline_of(timeout)
         n = 0
         if self._serves_locally():
             with self._loc.cond:
@@ -438,7 +431,7 @@ class Channel:
                 return self._put_done(status, n, key, timeout)
         if n < len(items):
             msgs = [(w, *_encode(item)) for item, w in zip(items[n:], weights[n:])]
-            status, m = self._wait(self._actor.put.remote(key, msgs, _left(deadline), _proc()))
+            status, m = self._wait(self._actor.put.remote(key, msgs, seconds_left(deadline), _proc()))
             self._put_done(status, n + m, key, timeout)
 
     async def put_async(self, item, key=None, weight: float = 1.0, timeout: float | None = None) -> None:
@@ -524,13 +517,13 @@ class Channel:
             _hand_over(self._actor, loc)
 
     def _get(self, key, target, timeout) -> list:
-        deadline = _deadline(timeout)
+        deadline = deadline_of(timeout)
         if self._serves_locally():
             with self._loc.cond:
                 status, items = self._loc.get(key, target, deadline)
             if status != "remote":
                 return self._got(status, items, key, timeout)
-        msgs = self._got(*self._wait(self._actor.get.remote(key, target, _left(deadline), _proc())), key, timeout)
+        msgs = self._got(*self._wait(self._actor.get.remote(key, target, seconds_left(deadline), _proc())), key, timeout)
         return self._items_of(msgs, self._fetch(msgs, key))
 
     async def _get_async(self, key, target, timeout) -> list:
@@ -613,11 +606,3 @@ class Channel:
             return await ref
         except RayActorError as e:
             raise self._gone() from e
-
-
-def _deadline(timeout):
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def _left(deadline):
-    return None if deadline is None else max(0.0, deadline - time.monotonic())

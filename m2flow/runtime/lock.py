@@ -20,6 +20,8 @@ import psutil
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .deadline import deadline_of, seconds_left, wait
+
 __all__ = ["DeviceLock"]
 
 _CHECK_S = 0.25  # how often a lock with waiters checks that its holder is still alive
@@ -148,21 +150,21 @@ class _Lease:
         self.watching = False
 
     def acquire(self, owner: str, timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_of(timeout)
         with self.cond:
             if self.owner == owner:
                 self.count += 1
                 return True
             self.queue.append(owner)
             while not (self.queue[0] == owner and self.owner is None and not self.busy):
-                if not self._wait(deadline):
+                if not wait(self.cond, deadline):
                     self._leave(owner)
                     return False
             if self.held and not self.revoked:
                 return self._take(owner)
             self.busy = True  # not held (a revoked hold is always given back before busy clears): ask the server
         pid = os.getpid()
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        left = seconds_left(deadline)
         try:
             ok = ray.get(self.server.acquire.remote(self.index, owner, pid, psutil.Process(pid).create_time(), left))
         except BaseException:
@@ -209,13 +211,6 @@ class _Lease:
     def _leave(self, owner: str) -> None:
         self.queue.remove(owner)
         self.cond.notify_all()
-
-    def _wait(self, deadline) -> bool:
-        if deadline is None:
-            self.cond.wait()
-            return True
-        left = deadline - time.monotonic()
-        return left > 0 and (self.cond.wait(left) or True)
 
     def _give_back(self) -> None:
         """Return the server's lock (called with busy set and held cleared)."""
