@@ -288,6 +288,22 @@ class DataConfig:
             raise ConfigError(f"{where}.path is required when {where}.task=file")
 
 
+CHECK_SYNC_HELP = ("verify that the receivers' weights equal the actor's (a hash of every weight on both sides): "
+                   "first = at the run's first two syncs (the start and after its first update), true = after every "
+                   "sync, false = never")
+
+
+def _validate_check_sync(section_cfg, where: str) -> None:
+    value = section_cfg.check_weight_sync
+    if isinstance(value, str) and value != "first":
+        raise ConfigError(f"{where}.check_weight_sync must be first | true | false, got '{value}'")
+
+
+def _checks_sync(section_cfg, syncs_done: int) -> bool:
+    """Whether the weight sync after `syncs_done` earlier syncs of this run is verified (`check_weight_sync`)."""
+    return section_cfg.check_weight_sync is True or (section_cfg.check_weight_sync == "first" and syncs_done < 2)
+
+
 @dataclass
 class RolloutConfig:
     engine: str = opt("native", "generation engine: native (batched KV-cache engine) | hf (transformers generate)")
@@ -298,10 +314,7 @@ class RolloutConfig:
     top_p: float = opt(1.0, "nucleus sampling threshold")
     top_k: int = opt(0, "top-k sampling (0: off)")
     max_slots: int = opt(256, "native engine: concurrent sequences (continuous batching slots)")
-    check_weight_sync: bool | str = opt("first", "verify that the receivers' weights equal the actor's (a hash of every "
-                                                 "weight on both sides): first = at the run's first two syncs (the "
-                                                 "start and after its first update), true = after every sync, false = "
-                                                 "never")
+    check_weight_sync: bool | str = opt("first", CHECK_SYNC_HELP)
     cohost: bool = opt(True, "collocated plans (every component on the same devices, rank by rank): build reward, "
                              "inference and actor inside the rollout's processes, one process per rank taking the "
                              "stages in turn, instead of four processes taking turns on the device")
@@ -309,14 +322,11 @@ class RolloutConfig:
     def validate(self, where: str) -> None:
         if self.engine not in ("native", "hf"):
             raise ConfigError(f"{where}.engine must be native | hf, got '{self.engine}'")
-        if isinstance(self.check_weight_sync, str) and self.check_weight_sync != "first":
-            raise ConfigError(f"{where}.check_weight_sync must be first | true | false, got '{self.check_weight_sync}'")
+        _validate_check_sync(self, where)
         if self.n < 1 or self.prompts_per_step < 1 or self.max_new_tokens < 1:
             raise ConfigError(f"{where}.n, prompts_per_step and max_new_tokens must be >= 1")
 
-    def checks_sync(self, syncs_done: int) -> bool:
-        """Whether the weight sync after `syncs_done` earlier syncs of this run is verified."""
-        return self.check_weight_sync is True or (self.check_weight_sync == "first" and syncs_done < 2)
+    checks_sync = _checks_sync
 
 
 @dataclass
@@ -496,10 +506,14 @@ class EmbodiedRolloutConfig:
     cohost: bool = opt(True, "lockstep (env.pipeline_stages 1) with env and policy workers on the same devices: run "
                              "each policy worker inside its env worker's process, so a step's hand-over is a "
                              "function call instead of a Ray call")
+    check_weight_sync: bool | str = opt("first", CHECK_SYNC_HELP)
 
     def validate(self, where: str) -> None:
         if self.steps < 1:
             raise ConfigError(f"{where}.steps must be >= 1, got {self.steps}")
+        _validate_check_sync(self, where)
+
+    checks_sync = _checks_sync
 
 
 @dataclass

@@ -79,7 +79,7 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
         state = torch.load(ckpt / "driver.pt", weights_only=False)
         env_steps, recent = state["env_steps"], deque(state["recent"], maxlen=cfg.run.stop_window)
         run.drop_metrics_after(start)
-    sync_weights(actor, rollout, local_sync)
+    sync_weights(actor, rollout, local_sync, check=cfg.rollout.checks_sync(0))
 
     last, step, saved = {}, start, None
     try:
@@ -95,13 +95,14 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
                         actor.train(trajectories, step, env.world_size),
                     ])
                     t1 = time.perf_counter()
-                    sync_weights(actor, rollout, local_sync)
+                    checked = cfg.rollout.checks_sync(step - start + 1)
+                    sync_weights(actor, rollout, local_sync, check=checked)
                     t2 = time.perf_counter()
                     recent.extend(e["return"] for out in env_out for e in out["episodes"])
                     env_steps += sum(out["env_steps"] for out in env_out)
                     last = {**iteration_metrics(env_out, recent), **mean_over_ranks(actor_out), "env_steps": env_steps,
                             "throughput/env_steps_per_s": sum(o["env_steps"] for o in env_out) / (t2 - t0),
-                            "time/iteration": t2 - t0, "time/weight_sync": t2 - t1}
+                            "time/iteration": t2 - t0, "time/weight_sync": t2 - t1, "sync/checked": int(checked)}
                     stop = (cfg.run.stop_return is not None and len(recent) == recent.maxlen
                             and last["rollout/return_window"] >= cfg.run.stop_return)
                     every = cfg.run.save_every and (step + 1) % cfg.run.save_every == 0
@@ -139,11 +140,12 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
     return result
 
 
-def sync_weights(actor, rollout, local: bool = False) -> None:
-    """Actor rank 0 publishes its weights once; every policy worker loads them in place and must match. `local`: the
-    policy workers live in actor rank 0's process, so the weights stay in it."""
-    weights = actor.on([0]).publish_weights(local).wait()[0]
-    if any(d != weights.digest for d in rollout.load_weights(weights).wait()):
+def sync_weights(actor, rollout, local: bool = False, check: bool = True) -> None:
+    """Actor rank 0 publishes its weights once; every policy worker loads them in place and, when `check`ed, must
+    match them bit for bit. `local`: the policy workers live in actor rank 0's process, so the weights stay in it."""
+    weights = actor.on([0]).publish_weights(local, check).wait()[0]
+    digests = rollout.load_weights(weights).wait()
+    if check and any(d != weights.digest for d in digests):
         raise RuntimeError(f"weight sync v{weights.version}: a policy worker's weights differ from the actor's")
 
 

@@ -128,7 +128,7 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                                                      "seconds": seconds})
                 for _ in range(repeats):
                     t = time.perf_counter()
-                    sync_weights(actor, policy)
+                    sync_weights(actor, policy, check=cfg.rollout.checks_sync(2))  # as in a run's steady state
                     info["sync"].append(time.perf_counter() - t)
                 if d == min(devices):
                     info["state"] = {"rollout": policy.model_bytes().wait()[0], "actor": actor.state_bytes().wait()[0]}

@@ -160,9 +160,10 @@ class EmbodiedActorWorker(Worker):
         return out
 
     # -- weights and checkpoints -----------------------------------------------------------------
-    def publish_weights(self, local: bool = False):
-        """The policy's weights with their digest; `local`: for receivers in this process only (no object store)."""
-        return publish(self.policy.state_dict(), self.version, local=local)
+    def publish_weights(self, local: bool = False, check: bool = True):
+        """The policy's weights, with their digest when the receivers' copies are to be `check`ed; `local`: for
+        receivers in this process only (no object store)."""
+        return publish(self.policy.state_dict(), self.version, digest=check, local=local)
 
     def save_checkpoint(self, directory: str) -> None:
         """policy.safetensors + actor_state.pt (optimizer, minibatch RNG, version) under `directory`."""

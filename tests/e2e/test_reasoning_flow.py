@@ -156,6 +156,10 @@ def test_on_policy_steps_reuse_the_rollout_logprobs(cluster, tmp_path):
         make_cfg(tmp_path, "x", "algorithm.old_logprobs=old")
     with pytest.raises(C.ConfigError, match=re.escape("rollout.check_weight_sync must be first | true | false, got 'last'")):
         make_cfg(tmp_path, "x", "rollout.check_weight_sync=last")
+    with pytest.raises(C.ConfigError, match=re.escape("rollout.check_weight_sync must be first | true | false, got 'often'")):
+        C.load(C.EmbodiedConfig, None, ["rollout.check_weight_sync=often"])
+    assert [C.load(C.EmbodiedConfig, None, [f"rollout.check_weight_sync={v}"]).rollout.checks_sync(2)
+            for v in ("first", "true", "false")] == [False, True, False]
 
 
 def test_reward_rises_on_a_learnable_task(cluster, tmp_path):
