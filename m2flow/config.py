@@ -59,7 +59,8 @@ class RunConfig:
     seed: int = opt(0, "global seed (data order, sampling, init)")
     steps: int = opt(20, "training steps")
     save_every: int = opt(0, "write a checkpoint every N steps (0: only at the end)")
-    eval_every: int = opt(0, "evaluate every N steps (0: only before and after)")
+    eval_every: int = opt(0, "evaluate on the held-out split every N steps (reasoning: greedy pass@1 from step 0 on, "
+                                "eval/pass@1; embodied: eval.episodes, eval/return_mean); 0: off")
     resume: bool = opt(False, "continue from the newest checkpoint in the run directory")
     trace: bool = opt(True, "write trace.json and plots/timeline.png")
     progress: bool = opt(True, "show a progress bar")

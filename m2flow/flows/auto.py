@@ -151,6 +151,7 @@ def write_plan_report(run_dir: str | Path, key: str = "time/step") -> dict:
     run_dir = Path(run_dir)
     chosen = json.loads((run_dir / "plan_search.json").read_text())["chosen"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = [r for r in metrics if key in r]  # not the start model's evaluation row (step 0)
     measured = measured_step_seconds(metrics, key)
     predicted = chosen["predicted_step_seconds"]
     report = {**chosen, "measured_step_seconds": round(measured, 6), "steps": len(metrics),

@@ -34,6 +34,7 @@ PLOTS = {
     "loss": ["actor/pg_loss", "actor/kl", "actor/entropy"],
     "step_seconds": ["time/step", "time/rollout", "time/weight_sync"],
     "idle": ["time/idle_fraction"],
+    "heldout_accuracy": ["eval/pass@1"],
 }
 
 
@@ -41,7 +42,7 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
     """Run `cfg.run.steps` RL steps; returns the last step's metrics and the run directory."""
     run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
     model_path = prepare_model(cfg, run.path)
-    train_set, _ = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)
+    train_set, test_set = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)
     cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
     batch_samples = cfg.rollout.prompts_per_step * cfg.rollout.n
     if cfg.cluster.placement == "auto":  # profile, search, pick the fastest predicted plan (docs/planner.md)
@@ -96,8 +97,27 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
             inference.logprobs(scored, ready, k, plan.micro_batch, reward.world_size, actor.world_size),
         ], ready
 
+    held_out = [test_set[i] for i in range(len(test_set))] if cfg.run.eval_every else []
+
+    def evaluate(step: int) -> list:
+        """Greedy pass@1 of the rollout's current weights on the held-out split, split over the rollout's ranks."""
+        shards = [held_out[r :: rollout.world_size] for r in range(rollout.world_size)]
+        return [rollout.call_per_rank("evaluate", [(s, 1, step) for s in shards])]
+
+    def log(step: int, metrics: dict, evaluation: list | None = None) -> None:
+        """Write step's row, with the held-out evaluation's figures once they are in."""
+        if evaluation:
+            parts = wait_all(evaluation)[0]
+            problems = sum(p["problems"] for p in parts)
+            metrics = {**metrics, "eval/pass@1": sum(p["pass@1"] * p["problems"] for p in parts) / max(problems, 1),
+                       "eval/problems": problems}
+        run.log(step, metrics)
+
+    if cfg.run.eval_every and start == 0:  # the curve's first point: the start model
+        log(0, {}, evaluate(0))
     devices = sorted({d for g in groups for devs in g.placement.rank_devices for d in devs})
     last, trace, counters, in_flight, produced = {}, [], [], deque(), start
+    held = None  # (step, metrics, evaluation): a row written once the next step's work is under way
     with progress(cfg.run.progress) as bar:
         task = bar.add_task(cfg.algorithm.name, total=cfg.run.steps, completed=start, info="")
         for step in range(start, cfg.run.steps):
@@ -106,7 +126,11 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
                 in_flight.append(produce(produced))
                 produced += 1
             _, handles, ready = in_flight.popleft()
-            results = wait_all([*handles, actor.train(ready, step, inference.world_size)])
+            handles = [*handles, actor.train(ready, step, inference.world_size)]
+            if held:  # the last step's held-out evaluation ran while this step's work was being handed out
+                log(*held)
+                held = None
+            results = wait_all(handles)
             t1 = time.perf_counter()
             checked = cfg.rollout.checks_sync(step - start + 1)
             sync_weights(actor, receivers, check=checked, local=local_sync)
@@ -119,12 +143,20 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
             last.update({"time/step": t2 - t0, "time/rollout": last.get("rollout/seconds", 0.0), "time/weight_sync": t2 - t1,
                          "sync/checked": int(checked),
                          "throughput/tokens_per_s": last.get("rollout/tokens", 0) / (t2 - t0)})
-            run.log(step + 1, last)
+            every = cfg.run.eval_every and ((step + 1) % cfg.run.eval_every == 0 or step + 1 == cfg.run.steps)
+            evaluation = evaluate(step + 1) if every else None  # queued on the rollout before its next generation
             if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps:
+                log(step + 1, last, evaluation)  # the metrics never run behind a checkpoint
                 # a resume regenerates the steps in flight: it restarts the data where step + 1's prompts began
                 save_checkpoint(run, step + 1, actor, in_flight[0][0] if in_flight else train_set.state_dict())
+            elif evaluation:
+                held = (step + 1, last, evaluation)
+            else:
+                log(step + 1, last)
             bar.update(task, advance=1, info=f"reward {last['reward/mean']:.3f}  acc {last['reward/accuracy']:.2f}")
 
+    if held:
+        log(*held)
     if cfg.run.trace:
         write_chrome_trace(trace, run.path / "trace.json", counters=counters)
         plot_timeline(trace, run.path / "plots" / "timeline.png")

@@ -13,6 +13,7 @@ from m2flow.engines.hf import HFEngine, load_model, load_tokenizer
 from m2flow.runtime import Worker
 from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
 from m2flow.workers.common import finish
+from m2flow.workloads.reasoning.tasks import reward_name, reward_timeout
 
 
 def build_engine(kind: str, model, tokenizer, max_slots: int, max_len: int):
@@ -79,10 +80,13 @@ class RolloutWorker(Worker):
             self.version = weights.version
         return loaded_digest(self.model, weights)
 
-    def evaluate(self, problems: list[dict], k: int, reward_fn: str, temperature: float = 1.0) -> dict:
-        """Greedy pass@1 and sampled pass@k over held-out problems {prompt_ids, answer}."""
+    def evaluate(self, problems: list[dict], k: int = 1, step: int | None = None) -> dict:
+        """Greedy pass@1 (and sampled pass@k when k > 1) of the weights this worker holds now, over held-out problems
+        {prompt_ids, answer}, scored by the run's reward function; `problems` is the number scored."""
         from m2flow.workloads.reasoning.evaluate import evaluate
 
-        with self.device_phase("evaluate"):
-            return evaluate(self.engine, self.tokenizer, problems, reward_fn, k=k, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                            temperature=temperature, seed=self.cfg.run.seed)
+        name = reward_name(self.cfg.reward.fn, self.cfg.data.task)
+        with self.device_phase("evaluate", step):
+            return evaluate(self.engine, self.tokenizer, problems, name, k=k, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                            temperature=self.cfg.rollout.temperature, seed=self.cfg.run.seed,
+                            timeout_s=reward_timeout(name, self.cfg.reward.timeout_s))

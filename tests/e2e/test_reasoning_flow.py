@@ -172,6 +172,28 @@ def test_reward_rises_on_a_learnable_task(cluster, tmp_path):
     assert last > first + 0.15, f"mean reward did not rise: first steps {r[:4]}, last steps {r[-4:]}"
 
 
+def test_held_out_accuracy_every_n_steps_is_that_of_the_weights_of_that_step(cluster, tmp_path):
+    """`run.eval_every=1`, pipelined and one step off-policy: the rollout worker scores the start model (step 0) and
+    every step's synced weights on the held-out split with the run's reward; a row waits for its evaluation while the
+    next step is handed out. The figures equal this process's evaluation of the saved models (to one problem)."""
+    from m2flow.flows.demo import evaluate_model
+
+    cfg = make_cfg(tmp_path, "ev", "run.steps=4", "run.eval_every=1", "run.save_every=3", "actor.lr=1e-2",
+                   "algorithm.max_staleness=1", "reward.fn=reward_fixtures:even_first_char",
+                   "cluster.placement=rollout: 0; reward,inference,actor: 1")
+    train(cfg, cluster)
+    run = tmp_path / "ev"
+    metrics = rows(run)
+    assert [r["step"] for r in metrics] == [0, 1, 2, 3, 4] and all(r["eval/problems"] == 20 for r in metrics)
+    flow = {r["step"]: r["eval/pass@1"] for r in metrics}
+    here = {0: evaluate_model(str(run / "init_model"), cfg, k=1)["pass@1"],
+            **{s: evaluate_model(str(run / "checkpoints" / f"step_{s}"), cfg, k=1)["pass@1"] for s in (3, 4)}}
+    for s, accuracy in here.items():
+        assert abs(flow[s] - accuracy) <= 1 / 20 + 1e-9, (s, flow, here)
+    assert max(here.values()) > 0 and len(set(flow.values())) > 2, flow  # compared where it is not 0; it moved
+    assert (run / "plots" / "heldout_accuracy.png").exists()
+
+
 def test_resume_matches_an_uninterrupted_run(cluster, tmp_path):
     common = ["cluster.placement=rollout: 0; reward,inference,actor: 1", "reward.fn=reward_fixtures:digit_fraction"]
     train(make_cfg(tmp_path, "full", "run.steps=4", *common), cluster)
