@@ -363,6 +363,8 @@ class ActorConfig:
     lr_schedule: str = opt("constant", "constant | cosine")
     warmup_steps: int = opt(0, "linear warm-up steps")
     weight_decay: float = opt(0.0, "AdamW weight decay")
+    betas: list[float] = opt([0.9, 0.999], "AdamW betas [beta1, beta2]")
+    eps: float = opt(1e-8, "AdamW epsilon (added to the root of the second moment)")
     grad_clip: float = opt(1.0, "max gradient norm")
     mini_batches: int = opt(1, "optimizer steps per training step (the batch is split into this many)")
     epochs: int = opt(1, "passes over the batch per training step")
@@ -379,6 +381,9 @@ class ActorConfig:
                               f"{self.micro_batch} and {self.micro_batch_tokens}")
         if self.backend not in ("torch", "fsdp2"):
             raise ConfigError(f"{where}.backend must be torch | fsdp2, got '{self.backend}'")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas) or self.eps <= 0:
+            raise ConfigError(f"{where}.betas must be two numbers in [0, 1) and {where}.eps > 0, got {self.betas} "
+                              f"and {self.eps}")
 
 
 @dataclass

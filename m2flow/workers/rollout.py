@@ -13,6 +13,7 @@ from m2flow.engines.hf import HFEngine, load_model, load_tokenizer
 from m2flow.runtime import Worker
 from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
 from m2flow.workers.common import finish
+from m2flow.workloads.reasoning.rewards import completion_text
 from m2flow.workloads.reasoning.tasks import reward_name, reward_timeout
 
 
@@ -58,7 +59,7 @@ class RolloutWorker(Worker):
             ready.append({
                 "index": p["index"], "prompt_ids": list(p["prompt_ids"]), "answer": p["answer"],
                 "responses": [g.response_ids for g in group], "logprobs": [g.logprobs for g in group],
-                "texts": [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in group],
+                "texts": [completion_text(self.tokenizer, g.response_ids, params.stop_token_ids) for g in group],
                 "finish": [g.finish_reason for g in group], "version": self.version,
             })
             if sum(len(g["responses"]) for g in ready) >= granularity:

@@ -6,8 +6,10 @@ import time
 
 import pytest
 
+from m2flow.engines.hf import build_char_tokenizer
 from m2flow.workloads.reasoning.rewards import (
     RewardRunner,
+    completion_text,
     countdown_reward,
     exact_match,
     load_reward_fn,
@@ -38,6 +40,19 @@ def test_exact_match():
     assert exact_match("820", "82") == 0.0
     assert exact_match("", "82") == 0.0
     assert exact_match("the answer is 82", "82") == 0.0
+
+
+def test_a_completion_is_scored_on_its_generated_tokens_up_to_the_stop_token():
+    """Special tokens the model wrote inside its answer stay in the text (a reward hack otherwise: `1<pad>57` read as
+    `157`); the stop token and what follows it are cut."""
+    tok = build_char_tokenizer()
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    hacked = completion_text(tok, ids("1") + [pad] + ids("57") + [eos], [eos])
+    assert hacked == "1<pad>57" and exact_match(hacked, 157) == 0.0
+    clean = completion_text(tok, ids("157") + [eos] + ids("99"), [eos])
+    assert clean == "157" and exact_match(clean, 157) == 1.0
+    assert completion_text(tok, ids("15"), [eos]) == "15"  # cut by the length limit: no stop token
 
 
 def test_math_verify():

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from m2flow.engines.base import SamplingParams
-from m2flow.workloads.reasoning.rewards import RewardRunner
+from m2flow.workloads.reasoning.rewards import RewardRunner, completion_text
 
 
 def evaluate(engine, tokenizer, items: Sequence[dict], reward_fn: str, k: int = 8, max_new_tokens: int = 8,
@@ -19,13 +19,13 @@ def evaluate(engine, tokenizer, items: Sequence[dict], reward_fn: str, k: int = 
     greedy = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop))
     out = {"problems": len(items)}
     with RewardRunner(reward_fn, timeout_s=timeout_s) as runner:
-        calls = [(tokenizer.decode(g[0].response_ids, skip_special_tokens=True), it["answer"]) for g, it in zip(greedy, items)]
+        calls = [(completion_text(tokenizer, g[0].response_ids, stop), it["answer"]) for g, it in zip(greedy, items)]
         scores, _ = runner.score(calls)
         out["pass@1"] = sum(s >= 1.0 for s in scores) / max(len(scores), 1)
         if k > 1:
             sampled = engine.generate(prompts, SamplingParams(n=k, max_new_tokens=max_new_tokens, temperature=temperature,
                                                               stop_token_ids=stop, seed=seed))
-            calls = [(tokenizer.decode(s.response_ids, skip_special_tokens=True), it["answer"])
+            calls = [(completion_text(tokenizer, s.response_ids, stop), it["answer"])
                      for group, it in zip(sampled, items) for s in group]
             scores, _ = runner.score(calls)
             correct = [s >= 1.0 for s in scores]

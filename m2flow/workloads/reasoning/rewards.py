@@ -38,6 +38,14 @@ def strip_eos(response: str) -> str:
     return response[:cut].strip()
 
 
+def completion_text(tokenizer, ids: Sequence[int], stop_ids: Sequence[int]) -> str:
+    """The text a reward scores: the generated tokens up to the first stop token, decoded with every special token
+    kept (a `<pad>` the model wrote inside its answer stays there, so `1<pad>57` does not score as `157`)."""
+    stops = set(stop_ids)
+    cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+    return tokenizer.decode(list(ids[:cut]), skip_special_tokens=False)
+
+
 # ---------------------------------------------------------------------------------------------- built-in rewards
 
 
