@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
 
     e = sub.add_parser("eval", help="reasoning: held-out greedy pass@1 and pass@k; embodied: mean return and success rate")
     e.add_argument("model", help="HF model directory, or a checkpoint directory holding model/")
-    e.add_argument("overrides", nargs="*", help="data.* overrides choosing the task, e.g. data.digits=2")
+    e.add_argument("overrides", nargs="*", help="overrides of the checkpoint's run config (the defaults for a bare model "
+                                                "directory), e.g. data.eval_size=50")
     e.add_argument("--k", type=int, default=8)
     e.add_argument("--limit", type=int, default=None, help="evaluate only the first N held-out problems")
     e.add_argument("--episodes", type=int, default=10, help="embodied checkpoints: deterministic episodes to run")
@@ -128,9 +129,12 @@ def cmd_eval(args) -> int:
         for key, value in result.items():
             print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
         return 0
-    from m2flow.flows.demo import evaluate_model
+    from m2flow.flows.demo import describe_eval_data, eval_config, evaluate_model
 
-    result = evaluate_model(args.model, C.load(C.ReasoningConfig, None, args.overrides), k=args.k, limit=args.limit)
+    model, cfg, source = eval_config(args.model, args.overrides)
+    print(f"model: {model}\nconfig: {source}\ndata: {describe_eval_data(cfg.data, cfg.run.seed)}; "
+          f"reward {cfg.reward.fn}, at most {cfg.rollout.max_new_tokens} new tokens")
+    result = evaluate_model(model, cfg, k=args.k, limit=args.limit)
     for key, value in result.items():
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
     return 0

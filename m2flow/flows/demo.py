@@ -9,6 +9,7 @@ from pathlib import Path
 
 from m2flow import config as C
 from m2flow.engines.hf import load_model, load_tokenizer
+from m2flow.flows.outputs import latest_checkpoint
 from m2flow.flows.reasoning import prepare_model, train
 from m2flow.workloads.reasoning.evaluate import evaluate
 from m2flow.workloads.reasoning.tasks import build_datasets, reward_name, reward_timeout
@@ -18,6 +19,29 @@ def model_dir(path: str) -> str:
     """A model directory, or a checkpoint directory holding one under model/."""
     p = Path(path)
     return str(p / "model") if (p / "model" / "config.json").exists() else str(p)
+
+
+def eval_config(path: str, overrides: list[str] | None = None) -> tuple[str, C.ReasoningConfig, str]:
+    """What `m2flow eval PATH` evaluates: (model directory, config, where the config came from). A run directory
+    means its newest checkpoint; a checkpoint is evaluated under its run's config (data, reward, generation length:
+    the checkpoint's config.yaml, else the run directory's), `overrides` on top; a bare model directory under the
+    defaults."""
+    p = Path(path)
+    if not (p / "config.json").exists() and not (p / "model").is_dir() and (found := latest_checkpoint(p)):
+        p = found[1]  # a run directory
+    saved = [c for c in (p / "config.yaml", p.parent.parent / "config.yaml")
+             if c.exists() and (c.parent == p or p.parent.name == "checkpoints")]
+    base = C.read_yaml(saved[0]) if saved else None
+    source = f"the run's config ({saved[0]})" if saved else "the default config"
+    return model_dir(str(p)), C.load(C.ReasoningConfig, base, overrides), source
+
+
+def describe_eval_data(data: C.DataConfig, seed: int) -> str:
+    """The held-out split in words, e.g. `2-digit '+' arithmetic (seed 0), 200 held-out problems`."""
+    if data.task == "file":
+        return f"{data.path}, held-out split (its last {data.eval_size} records)"
+    what = f"{data.digits}-digit '{data.ops}' arithmetic" if data.task == "arithmetic" else data.task
+    return f"{what} (seed {seed}), held-out split of {data.eval_size} problems"
 
 
 def evaluate_model(path: str, cfg: C.ReasoningConfig, k: int = 8, limit: int | None = None) -> dict:

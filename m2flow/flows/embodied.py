@@ -20,7 +20,7 @@ import yaml
 
 from m2flow import config as C
 from m2flow.config import EmbodiedConfig
-from m2flow.flows.outputs import RunDir, progress
+from m2flow.flows.outputs import RunDir, latest_checkpoint, progress
 from m2flow.runtime import Channel, Cluster, launch_all, running, wait_all
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import make_plan
@@ -188,9 +188,8 @@ def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | N
     frozen. Returns mean/std return, mean length, the success rate where the env reports success, and the video
     folder if `video_dir` (env 0's first episode, recorded where the env renders rgb_array frames)."""
     path = Path(path)
-    if not (path / "policy.safetensors").exists() and (path / "checkpoints").is_dir():  # a run directory: its newest
-        done = [p for p in (path / "checkpoints").glob("step_*") if (p / "COMPLETE").exists()]
-        path = max(done, key=lambda p: int(p.name[5:]), default=path)
+    if not (path / "policy.safetensors").exists() and (found := latest_checkpoint(path)):  # a run directory: its newest
+        path = found[1]
     if not (path / "policy.safetensors").exists():
         raise FileNotFoundError(f"{path}: no policy.safetensors (expected an embodied checkpoint or run directory)")
     cfg = C.load(EmbodiedConfig, C.read_yaml(path / "config.yaml"))

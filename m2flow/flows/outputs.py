@@ -105,15 +105,20 @@ class RunDir:
 
     def latest_checkpoint(self) -> tuple[int, Path] | None:
         """(step, path) of the newest complete checkpoint, or None."""
-        found = []
-        for p in (self.path / "checkpoints").glob("step_*"):
-            if p.is_dir() and (p / "COMPLETE").exists() and p.name[5:].isdigit():
-                found.append((int(p.name[5:]), p))
-        return max(found) if found else None
+        return latest_checkpoint(self.path)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def latest_checkpoint(run_path: str | Path) -> tuple[int, Path] | None:
+    """(step, path) of the newest complete checkpoint under `run_path`/checkpoints, or None."""
+    found = []
+    for p in (Path(run_path) / "checkpoints").glob("step_*"):
+        if p.is_dir() and (p / "COMPLETE").exists() and p.name[5:].isdigit():
+            found.append((int(p.name[5:]), p))
+    return max(found) if found else None
 
 
 def _plain(v):

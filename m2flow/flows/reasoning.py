@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from m2flow import config as C
 from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
 from m2flow.flows.outputs import RunDir, idle_metrics, progress
@@ -148,7 +149,7 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
             if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps:
                 log(step + 1, last, evaluation)  # the metrics never run behind a checkpoint
                 # a resume regenerates the steps in flight: it restarts the data where step + 1's prompts began
-                save_checkpoint(run, step + 1, actor, in_flight[0][0] if in_flight else train_set.state_dict())
+                save_checkpoint(run, cfg, step + 1, actor, in_flight[0][0] if in_flight else train_set.state_dict())
             elif evaluation:
                 held = (step + 1, last, evaluation)
             else:
@@ -227,11 +228,14 @@ def sft_model(model_path: str, out: str, cfg: ReasoningConfig, progress: bool = 
     return losses
 
 
-def save_checkpoint(run: RunDir, step: int, actor, data_state: dict) -> None:
+def save_checkpoint(run: RunDir, cfg: ReasoningConfig, step: int, actor, data_state: dict) -> None:
+    """checkpoints/step_N/: the actor's shards and HF model/, the driver's data order and RNG, the run's config (what
+    `m2flow eval` evaluates the checkpoint under)."""
     def write(tmp: Path) -> None:
         actor.save_checkpoint(str(tmp)).wait()  # every rank writes its shards
         torch.save({"data": data_state, "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
                     "step": step}, tmp / "driver.pt")
+        C.save_yaml(cfg, tmp / "config.yaml")
 
     run.save_checkpoint(step, write)
 

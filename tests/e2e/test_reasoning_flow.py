@@ -2,6 +2,7 @@
 
 import json
 import math
+import random
 import re
 
 import pytest
@@ -207,6 +208,29 @@ def test_adam_betas_and_eps_reach_the_actors_optimizer(cluster, tmp_path):
     assert moved["default"] == pytest.approx(1e-2, rel=0.05) and moved["big_eps"] < 1e-4, moved
     with pytest.raises(C.ConfigError, match=re.escape("actor.betas must be two numbers in [0, 1) and actor.eps > 0")):
         make_cfg(tmp_path, "x", "actor.betas=[0.9]")
+
+
+def test_eval_of_a_checkpoint_uses_its_runs_data_reward_and_length(cluster, tmp_path, capsys):
+    """`m2flow eval` on a run trained from a JSONL file (or on one of its checkpoints) scores that file's held-out
+    split with the run's reward and generation length, not the default arithmetic task; overrides apply on top."""
+    from m2flow import cli
+
+    rng = random.Random(0)
+    pairs = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(40)]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{b}=", "result": str(a + b)}) + "\n" for a, b in pairs))
+    train(make_cfg(tmp_path, "file", "run.steps=1", "data.task=file", f"data.path={data}", "data.prompt_key=question",
+                   "data.answer_key=result", "data.eval_size=12", "reward.fn=exact_match", "rollout.max_new_tokens=3",
+                   "cluster.placement=rollout,reward,inference,actor: 0-1:0"), cluster)
+    checkpoint = tmp_path / "file" / "checkpoints" / "step_1"
+    for target in (tmp_path / "file", checkpoint):  # a run directory means its newest checkpoint
+        assert cli.main(["eval", str(target), "--k", "1"]) == 0
+        out = capsys.readouterr().out
+        assert f"model: {checkpoint / 'model'}" in out and f"config: the run's config ({checkpoint / 'config.yaml'})" in out
+        assert f"data: {data}, held-out split (its last 12 records); reward exact_match, at most 3 new tokens" in out
+        assert "problems: 12" in out
+    assert cli.main(["eval", str(checkpoint), "--k", "1", "data.eval_size=5"]) == 0
+    assert "problems: 5" in capsys.readouterr().out
 
 
 def test_resume_matches_an_uninterrupted_run(cluster, tmp_path):
