@@ -41,7 +41,10 @@ def section(cls: type, help: str) -> Any:
 class ClusterConfig:
     address: str | None = opt(None, "Ray address to join (e.g. 'auto' or 'ray://head:10001'); None starts a local Ray instance")
     cpu_devices: int | None = opt(None, "CPU devices per node when there are no GPUs (default: one per core)")
-    placement: Any = opt("all", "component -> devices, e.g. 'actor,rollout: all' or 'rollout: 0; actor,inference: 1'")
+    placement: Any = opt("rollout,reward,inference,actor: all:0",
+                         "component -> devices[:ranks]: 'rollout,reward,inference,actor: all:0' (collocated: one "
+                         "process over every device, the stages take turns), 'rollout: 0; reward,inference,actor: 1' "
+                         "(pipelined), 'auto' (profile, then the fastest predicted plan)")
     reuse_processes: bool = opt(True, "keep the worker processes of a finished run (or profile) for the next one on "
                                       "this cluster: no new Python, no re-import of torch/transformers")
 

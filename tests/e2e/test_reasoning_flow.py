@@ -198,11 +198,12 @@ def test_held_out_accuracy_every_n_steps_is_that_of_the_weights_of_that_step(clu
 def test_adam_betas_and_eps_reach_the_actors_optimizer(cluster, tmp_path):
     """Adam's first step moves each weight by about lr (m / sqrt(v) = sign of the gradient); with `actor.eps=1e3` it
     moves them by about lr * |g| / 1e3, almost nothing."""
-    common = ["run.steps=1", "actor.lr=1e-2", "reward.fn=reward_fixtures:digit_fraction",
-              "cluster.placement=rollout,reward,inference,actor: 0-1:0"]
+    common = ["run.steps=1", "actor.lr=1e-2", "reward.fn=reward_fixtures:digit_fraction"]  # the default placement
     moved = {}
     for name, extra in (("default", []), ("big_eps", ["actor.eps=1e3", "actor.betas=[0.5, 0.9]"])):
-        train(make_cfg(tmp_path, name, *common, *extra), cluster)
+        result = train(make_cfg(tmp_path, name, *common, *extra), cluster)
+        plan = yaml.safe_load((tmp_path / name / "plan.yaml").read_text())
+        assert result["plan"]["mode"] == "collocated" and plan["cohosted"], plan  # one process over both devices
         before, after = weights(tmp_path / name / "init_model"), weights(tmp_path / name / "checkpoints" / "step_1" / "model")
         moved[name] = max(float((after[k] - before[k]).abs().max()) for k in before)
     assert moved["default"] == pytest.approx(1e-2, rel=0.05) and moved["big_eps"] < 1e-4, moved

@@ -1,0 +1,29 @@
+"""Every config a user can start from runs: each flow's defaults and every preset load and build their plan."""
+
+import pytest
+
+from m2flow import config as C
+from m2flow.flows import embodied, reasoning
+from m2flow.scheduler.plan import make_plan
+
+FLOWS = {"reasoning": (C.ReasoningConfig, reasoning.COMPONENTS), "embodied": (C.EmbodiedConfig, embodied.COMPONENTS)}
+
+
+@pytest.mark.parametrize("flow", sorted(FLOWS))
+def test_a_flows_defaults_build_a_plan_on_one_machine(flow):
+    cls, components = FLOWS[flow]
+    cfg = C.load(cls, None, [])
+    for devices in (1, 2):
+        plan = make_plan(cfg.cluster.placement, devices, components, 64, 32)
+        assert plan.placement.mode == "collocated" and sorted(plan.placement.components) == sorted(components)
+        # one process per component over the devices: the reasoning actor trains on one rank (actor.backend torch)
+        assert all(len(plan[c].rank_devices) == 1 for c in components)
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in C.CONFIG_DIR.glob("*.yaml")))
+def test_every_preset_loads_and_builds_its_plan(preset):
+    data = C.read_yaml(C.resolve_path(preset))
+    cls, components = FLOWS[data.get("flow", "reasoning")]
+    cfg = C.load(cls, data, [])
+    if cfg.cluster.placement != "auto":
+        make_plan(cfg.cluster.placement, 2, components, 64, 32)
