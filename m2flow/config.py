@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 
 import yaml
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(str(importlib.resources.files("m2flow") / "configs"))  # the presets: package data (configs/ links here)
 
 
 class ConfigError(ValueError):
