@@ -1,0 +1,27 @@
+"""`make demo` end to end at a small size: SFT, held-out evaluation, GRPO with the held-out curve, the summary
+table and the last line."""
+
+import json
+import re
+
+from m2flow.flows.demo import run_demo
+
+
+def test_demo_shows_the_curve_the_table_and_the_last_line(cluster, tmp_path, capsys):
+    result = run_demo([f"run.dir={tmp_path}", "run.progress=false", "run.steps=4", "run.eval_every=2",
+                       "model.tiny_hidden=32", "model.tiny_layers=1", "sft.steps=30", "data.eval_size=16",
+                       "rollout.prompts_per_step=8", "rollout.n=4"], cluster)
+    out = capsys.readouterr().out.strip().splitlines()
+    before, after = result["before"]["pass@1"], result["after"]["pass@1"]
+    assert out[-1] == f"held-out accuracy: {before:.1%} -> {after:.1%}"
+    table = out[-6:-1]
+    assert "pass@1 (greedy)" in table[0] and "on 16 held-out problems" in table[0]
+    assert table[1].split()[-2:] == [f"{before:.1%}", f"{result['before']['pass@8']:.1%}"]
+    assert table[2].split()[-2:] == [f"{after:.1%}", f"{result['after']['pass@8']:.1%}"]
+    assert re.fullmatch(r"GRPO: 4 steps, 128 samples, \d+ s; whole demo \d+ s", table[4]), table[4]
+    run = tmp_path / "demo"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    curve = [(r["step"], r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
+    assert [s for s, _ in curve] == [0, 2, 4]
+    assert abs(curve[0][1] - before) <= 1 / 16 + 1e-9 and abs(curve[-1][1] - after) <= 1 / 16 + 1e-9  # same problems
+    assert (run / "plots" / "heldout_accuracy.png").exists() and list((run / "tb").iterdir())
