@@ -363,7 +363,8 @@ class AlgorithmConfig:
 
 @dataclass
 class ActorConfig:
-    lr: float = opt(5e-4, "learning rate")
+    lr: float = opt(1e-4, "learning rate (measured on the tiny models: 1e-4 raises held-out accuracy, 3e-4 and 5e-4 "
+                          "lower it)")
     lr_schedule: str = opt("constant", "constant | cosine")
     warmup_steps: int = opt(0, "linear warm-up steps")
     weight_decay: float = opt(0.0, "AdamW weight decay")

@@ -27,3 +27,5 @@ def test_every_preset_loads_and_builds_its_plan(preset):
     cfg = C.load(cls, data, [])
     if cfg.cluster.placement != "auto":
         make_plan(cfg.cluster.placement, 2, components, 64, 32)
+    if cls is C.ReasoningConfig:  # from random weights the reward stays 0: a warm start or a model of the user's
+        assert cfg.sft.steps > 0 or cfg.model.path, f"{preset}: neither sft.steps nor model.path"
