@@ -135,15 +135,18 @@ def plot_timeline(spans: list[dict], path: str | os.PathLike, title: str | None 
     for y, lane in enumerate(sorted(rows)):
         keys = rows[lane]
         height = 0.8 / len(keys)
+        bars: dict[int, list] = {}  # row -> its bars, drawn in one call (one call per bar is quadratic in matplotlib)
         for s in spans:
             if lane not in _lanes(s):
                 continue
             row = keys.index((s["component"], s["rank"]))
             x, width = s["start"] - t0, max(s["end"] - s["start"], 1e-6)
-            ax.broken_barh([(x, width)], (y - 0.4 + row * height, height * 0.9), facecolors=colors[s["component"]])
+            bars.setdefault(row, []).append((x, width))
             if width > 0.05 * total:  # label the phase where it fits
                 ax.text(x + width / 2, y - 0.4 + (row + 0.45) * height, s["phase"], ha="center", va="center",
                         fontsize=7, clip_on=True)
+        for row, xs in bars.items():
+            ax.broken_barh(xs, (y - 0.4 + row * height, height * 0.9), facecolors=colors[keys[row][0]])
         ticks.append(y)
         labels.append("host" if lane == _HOST_LANE else f"device {lane}")
     ax.set_yticks(ticks, labels)
