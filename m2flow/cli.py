@@ -92,49 +92,26 @@ def cmd_demo(args) -> int:
 
 
 def cmd_train(args) -> int:
+    from m2flow import api
     from m2flow import config as C
 
-    data = C.read_yaml(C.resolve_path(args.config))
-    flow = data.get("flow", "reasoning")
-    if flow == "reasoning":
-        from m2flow.flows.reasoning import train
-
-        cls = C.ReasoningConfig
-    elif flow == "embodied":
-        from m2flow.flows.embodied import train
-
-        cls = C.EmbodiedConfig
-    else:
-        raise C.ConfigError(f"config '{args.config}': flow must be reasoning | embodied, got '{flow}'")
     if args.help_config:
-        for name, default, text in C.describe(cls):
+        for name, default, text in C.describe(type(api.load_config(args.config))):
             print(f"{name:32s} {default!s:18s} {text}")
         return 0
-    cfg = C.load(cls, data, args.overrides)
-    result = train(cfg)
-    print(f"run directory: {result['run_dir']}")
+    result = api.train(args.config, args.overrides)
+    print(f"run directory: {result.run_dir}")
     return 0
 
 
 def cmd_eval(args) -> int:
-    from pathlib import Path
+    from m2flow import api
 
-    from m2flow import config as C
-
-    p = Path(args.model)
-    if (p / "policy.safetensors").exists() or any(p.glob("checkpoints/*/policy.safetensors")):
-        from m2flow.flows.embodied import evaluate_checkpoint  # an embodied policy: N deterministic episodes
-
-        result = evaluate_checkpoint(p, episodes=args.episodes, video_dir=args.video)
-        for key, value in result.items():
-            print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
-        return 0
-    from m2flow.flows.demo import describe_eval_data, eval_config, evaluate_model
-
-    model, cfg, source = eval_config(args.model, args.overrides)
-    print(f"model: {model}\nconfig: {source}\ndata: {describe_eval_data(cfg.data, cfg.run.seed)}; "
-          f"reward {cfg.reward.fn}, at most {cfg.rollout.max_new_tokens} new tokens")
-    result = evaluate_model(model, cfg, k=args.k, limit=args.limit)
+    result = api.evaluate(args.model, args.overrides, k=args.k, limit=args.limit, episodes=args.episodes,
+                          video_dir=args.video)
+    if "model" in result:  # reasoning: what was evaluated, then the scores
+        print(f"model: {result.pop('model')}\nconfig: {result.pop('config')}\ndata: {result.pop('data')}; "
+              f"reward {result.pop('reward')}, at most {result.pop('max_new_tokens')} new tokens")
     for key, value in result.items():
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
     return 0

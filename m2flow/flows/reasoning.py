@@ -19,7 +19,7 @@ from m2flow import config as C
 from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
 from m2flow.flows.outputs import RunDir, idle_metrics, progress
-from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, release_all, wait_all
+from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, running, wait_all
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import make_plan
 from m2flow.workers.actor import ActorWorker
@@ -75,101 +75,110 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
     slots = [tuple(Channel.create(f"{tag}/{n}{i}", maxsize=plan.channel_maxsize) for n in ("samples", "scored", "ready"))
              for i in range(lag + 1)]
 
-    start = 0
-    if cfg.run.resume and (found := run.latest_checkpoint()):
-        start, ckpt = found
-        actor.load_checkpoint(str(ckpt)).wait()
-        restore_driver_state(ckpt, train_set)
-        run.drop_metrics_after(start)
-    receivers = [rollout, inference] if cfg.recompute_old_logprobs() else [rollout]  # who holds the current policy
-    local_sync = cohost and all(g.world_size == 1 for g in receivers)  # every receiver in the actor's process
-    sync_weights(actor, receivers, check=cfg.rollout.checks_sync(0), local=local_sync)
+    try:
+        with running(groups):  # released after a run that went well, killed if a step raises
+            start = 0
+            if cfg.run.resume and (found := run.latest_checkpoint()):
+                start, ckpt = found
+                actor.load_checkpoint(str(ckpt)).wait()
+                restore_driver_state(ckpt, train_set)
+                run.drop_metrics_after(start)
+            # who holds the current policy
+            receivers = [rollout, inference] if cfg.recompute_old_logprobs() else [rollout]
+            local_sync = cohost and all(g.world_size == 1 for g in receivers)  # every receiver in the actor's process
+            sync_weights(actor, receivers, check=cfg.rollout.checks_sync(0), local=local_sync)
 
-    def produce(k: int) -> tuple:
-        """Start step k's rollout -> reward -> inference on the weights the rollout holds now; returns (the data
-        loader's state before step k's prompts, the stages' handles, the channel step k's training batches arrive on)."""
-        samples, scored, ready = slots[k % (lag + 1)]
-        data_state = train_set.state_dict()
-        prompts = train_set.next_batch(cfg.rollout.prompts_per_step)
-        shards = [prompts[r :: rollout.world_size] for r in range(rollout.world_size)]
-        return data_state, [
-            rollout.call_per_rank("generate", [(s, samples, k, reward.world_size, plan.micro_batch) for s in shards]),
-            reward.score(samples, scored, k, rollout.world_size, inference.world_size),
-            inference.logprobs(scored, ready, k, plan.micro_batch, reward.world_size, actor.world_size),
-        ], ready
+            def produce(k: int) -> tuple:
+                """Start step k's rollout -> reward -> inference on the weights the rollout holds now; returns (the
+                data loader's state before step k's prompts, the stages' handles, the channel step k's training
+                batches arrive on)."""
+                samples, scored, ready = slots[k % (lag + 1)]
+                data_state = train_set.state_dict()
+                prompts = train_set.next_batch(cfg.rollout.prompts_per_step)
+                shards = [prompts[r :: rollout.world_size] for r in range(rollout.world_size)]
+                return data_state, [
+                    rollout.call_per_rank("generate", [(s, samples, k, reward.world_size, plan.micro_batch)
+                                                       for s in shards]),
+                    reward.score(samples, scored, k, rollout.world_size, inference.world_size),
+                    inference.logprobs(scored, ready, k, plan.micro_batch, reward.world_size, actor.world_size),
+                ], ready
 
-    held_out = [test_set[i] for i in range(len(test_set))] if cfg.run.eval_every else []
+            held_out = [test_set[i] for i in range(len(test_set))] if cfg.run.eval_every else []
 
-    def evaluate(step: int) -> list:
-        """Greedy pass@1 of the rollout's current weights on the held-out split, split over the rollout's ranks."""
-        shards = [held_out[r :: rollout.world_size] for r in range(rollout.world_size)]
-        return [rollout.call_per_rank("evaluate", [(s, 1, step) for s in shards])]
+            def evaluate(step: int) -> list:
+                """Greedy pass@1 of the rollout's current weights on the held-out split, shared by its ranks."""
+                shards = [held_out[r :: rollout.world_size] for r in range(rollout.world_size)]
+                return [rollout.call_per_rank("evaluate", [(s, 1, step) for s in shards])]
 
-    def log(step: int, metrics: dict, evaluation: list | None = None) -> None:
-        """Write step's row, with the held-out evaluation's figures once they are in."""
-        if evaluation:
-            parts = wait_all(evaluation)[0]
-            problems = sum(p["problems"] for p in parts)
-            metrics = {**metrics, "eval/pass@1": sum(p["pass@1"] * p["problems"] for p in parts) / max(problems, 1),
-                       "eval/problems": problems}
-        run.log(step, metrics)
+            def log(step: int, metrics: dict, evaluation: list | None = None) -> None:
+                """Write step's row, with the held-out evaluation's figures once they are in."""
+                if evaluation:
+                    parts = wait_all(evaluation)[0]
+                    problems = sum(p["problems"] for p in parts)
+                    accuracy = sum(p["pass@1"] * p["problems"] for p in parts) / max(problems, 1)
+                    metrics = {**metrics, "eval/pass@1": accuracy, "eval/problems": problems}
+                run.log(step, metrics)
 
-    if cfg.run.eval_every and start == 0:  # the curve's first point: the start model
-        log(0, {}, evaluate(0))
-    devices = sorted({d for g in groups for devs in g.placement.rank_devices for d in devs})
-    last, trace, counters, in_flight, produced = {}, [], [], deque(), start
-    held = None  # (step, metrics, evaluation): a row written once the next step's work is under way
-    with progress(cfg.run.progress) as bar:
-        task = bar.add_task(cfg.algorithm.name, total=cfg.run.steps, completed=start, info="")
-        for step in range(start, cfg.run.steps):
-            t0, w0 = time.perf_counter(), time.time()
-            while produced < cfg.run.steps and produced <= step + lag:  # keep `lag` steps of rollout ahead of training
-                in_flight.append(produce(produced))
-                produced += 1
-            _, handles, ready = in_flight.popleft()
-            handles = [*handles, actor.train(ready, step, inference.world_size)]
-            if held:  # the last step's held-out evaluation ran while this step's work was being handed out
+            if cfg.run.eval_every and start == 0:  # the curve's first point: the start model
+                log(0, {}, evaluate(0))
+            devices = sorted({d for g in groups for devs in g.placement.rank_devices for d in devs})
+            last, trace, counters, in_flight, produced = {}, [], [], deque(), start
+            held = None  # (step, metrics, evaluation): a row written once the next step's work is under way
+            with progress(cfg.run.progress) as bar:
+                task = bar.add_task(cfg.algorithm.name, total=cfg.run.steps, completed=start, info="")
+                for step in range(start, cfg.run.steps):
+                    t0, w0 = time.perf_counter(), time.time()
+                    # keep `lag` steps of rollout ahead of training
+                    while produced < cfg.run.steps and produced <= step + lag:
+                        in_flight.append(produce(produced))
+                        produced += 1
+                    _, handles, ready = in_flight.popleft()
+                    handles = [*handles, actor.train(ready, step, inference.world_size)]
+                    if held:  # the last step's held-out evaluation ran while this step's work was being handed out
+                        log(*held)
+                        held = None
+                    results = wait_all(handles)
+                    t1 = time.perf_counter()
+                    checked = cfg.rollout.checks_sync(step - start + 1)
+                    sync_weights(actor, receivers, check=checked, local=local_sync)
+                    t2, w2 = time.perf_counter(), time.time()
+                    spans = gather_spans(groups, clear=True)
+                    trace += spans if cfg.run.trace else []
+                    last = merge_metrics(results) | idle_metrics(spans, w0, w2, devices)
+                    counters += [{"device": d, "time": w0, "name": "idle_fraction",
+                                  "value": last[f"time/idle/device{d}"] / (w2 - w0)} for d in devices]
+                    last.update({"time/step": t2 - t0, "time/rollout": last.get("rollout/seconds", 0.0),
+                                 "time/weight_sync": t2 - t1,
+                                 "sync/checked": int(checked),
+                                 "throughput/tokens_per_s": last.get("rollout/tokens", 0) / (t2 - t0)})
+                    every = cfg.run.eval_every and ((step + 1) % cfg.run.eval_every == 0 or step + 1 == cfg.run.steps)
+                    evaluation = evaluate(step + 1) if every else None  # queued on the rollout before it generates
+                    if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps:
+                        log(step + 1, last, evaluation)  # the metrics never run behind a checkpoint
+                        # a resume regenerates the steps in flight: it restarts the data where step + 1's prompts began
+                        data_state = in_flight[0][0] if in_flight else train_set.state_dict()
+                        save_checkpoint(run, cfg, step + 1, actor, data_state)
+                    elif evaluation:
+                        held = (step + 1, last, evaluation)
+                    else:
+                        log(step + 1, last)
+                    info = f"reward {last['reward/mean']:.3f}  acc {last['reward/accuracy']:.2f}"
+                    bar.update(task, advance=1, info=info)
+
+            if held:
                 log(*held)
-                held = None
-            results = wait_all(handles)
-            t1 = time.perf_counter()
-            checked = cfg.rollout.checks_sync(step - start + 1)
-            sync_weights(actor, receivers, check=checked, local=local_sync)
-            t2, w2 = time.perf_counter(), time.time()
-            spans = gather_spans(groups, clear=True)
-            trace += spans if cfg.run.trace else []
-            last = merge_metrics(results) | idle_metrics(spans, w0, w2, devices)
-            counters += [{"device": d, "time": w0, "name": "idle_fraction",
-                          "value": last[f"time/idle/device{d}"] / (w2 - w0)} for d in devices]
-            last.update({"time/step": t2 - t0, "time/rollout": last.get("rollout/seconds", 0.0), "time/weight_sync": t2 - t1,
-                         "sync/checked": int(checked),
-                         "throughput/tokens_per_s": last.get("rollout/tokens", 0) / (t2 - t0)})
-            every = cfg.run.eval_every and ((step + 1) % cfg.run.eval_every == 0 or step + 1 == cfg.run.steps)
-            evaluation = evaluate(step + 1) if every else None  # queued on the rollout before its next generation
-            if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.run.steps:
-                log(step + 1, last, evaluation)  # the metrics never run behind a checkpoint
-                # a resume regenerates the steps in flight: it restarts the data where step + 1's prompts began
-                save_checkpoint(run, cfg, step + 1, actor, in_flight[0][0] if in_flight else train_set.state_dict())
-            elif evaluation:
-                held = (step + 1, last, evaluation)
-            else:
-                log(step + 1, last)
-            bar.update(task, advance=1, info=f"reward {last['reward/mean']:.3f}  acc {last['reward/accuracy']:.2f}")
-
-    if held:
-        log(*held)
-    if cfg.run.trace:
-        write_chrome_trace(trace, run.path / "trace.json", counters=counters)
-        plot_timeline(trace, run.path / "plots" / "timeline.png")
-    run.plot(PLOTS)
-    run.close()
+            if cfg.run.trace:
+                write_chrome_trace(trace, run.path / "trace.json", counters=counters)
+                plot_timeline(trace, run.path / "plots" / "timeline.png")
+            run.plot(PLOTS)
+    finally:
+        run.close()
+        for ch in (c for slot in slots for c in slot):
+            ch.destroy()
     if cfg.cluster.placement == "auto":
         from m2flow.flows.auto import write_plan_report
 
         write_plan_report(run.path)
-    release_all(groups)  # their processes stay up, idle, for the cluster's next run
-    for ch in (c for slot in slots for c in slot):
-        ch.destroy()
     return {"metrics": last, "run_dir": str(run.path), "plan": plan.to_dict(),
             "final_model": str(run.path / "checkpoints" / f"step_{cfg.run.steps}" / "model")}
 

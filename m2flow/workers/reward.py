@@ -31,7 +31,9 @@ class RewardWorker(Worker):
             scored = []
             for group in groups:
                 with self.span("reward", step):  # CPU work beside the device's tenants: never takes the device lock
-                    scores, counters = self.runner.score([(t, group["answer"]) for t in group["texts"]])
+                    n = len(group["texts"])
+                    scores, counters = self.runner.score_texts([group.get("prompt", "")] * n, group["texts"],
+                                                               [group["answer"]] * n)
                 timeouts += counters["timeouts"]
                 errors += counters["errors"]
                 rewards += scores

@@ -9,3 +9,19 @@ def digit_fraction(response: str, answer) -> float:
 def even_first_char(response: str, answer) -> float:
     """About half of a random model's greedy answers pass: 1 when the first character's code is even."""
     return float(bool(response) and ord(response[0]) % 2 == 0)
+
+
+def sums_checked(prompts, completions, answers):
+    """Batched (TRL-style): 1 for every completion whose prompt 'a+b=' and answer agree, so a mean reward of 1 says
+    that prompts, completions and answers arrived aligned."""
+    return [float(eval(p.rstrip("="), {}) == int(a)) for p, a in zip(prompts, answers)]  # noqa: S307 - test data
+
+
+def wrong_count(prompts, completions, answers):
+    """Batched, and wrong: one reward too few. Leaves its caller's pid (the reward worker's process) in a file."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    Path(tempfile.gettempdir(), "m2flow_wrong_count_ppid").write_text(str(os.getppid()))
+    return [0.0] * (len(completions) - 1)

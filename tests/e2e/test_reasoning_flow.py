@@ -4,14 +4,20 @@ import json
 import math
 import random
 import re
+import tempfile
+import time
+from pathlib import Path
 
+import psutil
 import pytest
+import ray
 import torch
 import yaml
 from safetensors.torch import load_file
 
 from m2flow import config as C
 from m2flow.flows.reasoning import train
+from m2flow.runtime import WorkerError
 
 KEYS = {"reward/mean", "reward/accuracy", "response/length_mean", "actor/pg_loss", "actor/entropy", "actor/clipfrac",
         "actor/approx_kl", "actor/grad_norm", "rollout/tokens_per_s", "time/step", "time/rollout", "time/weight_sync"}
@@ -232,6 +238,36 @@ def test_eval_of_a_checkpoint_uses_its_runs_data_reward_and_length(cluster, tmp_
         assert "problems: 12" in out
     assert cli.main(["eval", str(checkpoint), "--k", "1", "data.eval_size=5"]) == 0
     assert "problems: 5" in capsys.readouterr().out
+
+
+def test_a_batched_reward_function_gets_each_groups_prompts_completions_and_answers(cluster, tmp_path):
+    train(make_cfg(tmp_path, "batched", "run.steps=1", "reward.fn=reward_fixtures:sums_checked"), cluster)
+    (row,) = rows(tmp_path / "batched")
+    assert row["reward/mean"] == 1.0 and row["reward/errors"] == 0  # every prompt arrived with its own answer
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_step_that_raises_kills_the_runs_processes_and_destroys_its_channels(cluster, tmp_path):
+    """A batched reward that returns one reward too few fails the step with an error naming the reward worker; the
+    run's worker processes are killed (not left running) and its channels are gone."""
+    ppid = Path(tempfile.gettempdir(), "m2flow_wrong_count_ppid")
+    ppid.unlink(missing_ok=True)
+    with pytest.raises(WorkerError, match=r"reward rank 0.*wrong_count \(batched\) returned 3 rewards for 4"):
+        train(make_cfg(tmp_path, "boom", "reward.fn=reward_fixtures:wrong_count",
+                       "cluster.placement=rollout: 0; reward,inference,actor: 1"), cluster)
+    pid = int(ppid.read_text())  # the reward worker's process, which called the function
+    deadline = time.monotonic() + 30
+    while (alive := running(pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, f"the failed run's reward worker process {pid} is still running"
+    run = str((tmp_path / "boom").resolve())
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if run in a["name"]]
 
 
 def test_resume_matches_an_uninterrupted_run(cluster, tmp_path):

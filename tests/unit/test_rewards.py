@@ -133,3 +133,34 @@ def test_runner_inline_and_bad_functions():
         RewardRunner(lambda r, a: 1.0, timeout_s=1.0)
     rewards, counts = RewardRunner(lambda r, a: float("nan"), timeout_s=None).score([("1", "1")])
     assert rewards == [0.0] and counts["errors"] == 1
+
+
+def batched_lengths(prompts, completions, answers, **columns):
+    return [len(c) + (p == "q") + (a == 1) for p, c, a in zip(prompts, completions, answers)]
+
+
+def batched_raises(prompts, completions, answers):
+    raise RuntimeError("batched reward blew up")
+
+
+def batched_short(prompts, completions, answers):
+    return [1.0] * (len(completions) - 1)
+
+
+@pytest.mark.parametrize("timeout_s", [None, 30.0])
+def test_batched_reward_functions_are_told_apart_and_called_once(timeout_s):
+    """TRL's form, fn(prompts, completions, answers, **kw) -> list, is one call for the batch; (response, answer)
+    functions stay per completion; a batched call that raises scores all 0 (counted once); a wrong count raises."""
+    from m2flow.workloads.reasoning.rewards import is_batched
+
+    assert is_batched(batched_lengths) and not is_batched(exact_match)
+    with RewardRunner(batched_lengths, timeout_s=timeout_s) as runner:
+        scores, counts = runner.score_texts(["q", "r"], ["ab", "abcd"], [1, 2])
+    assert scores == [4.0, 4.0] and counts == {"timeouts": 0, "errors": 0}
+    with RewardRunner(exact_match, timeout_s=timeout_s) as runner:
+        assert runner.score_texts(["q", "q"], ["82", "83"], [82, 82])[0] == [1.0, 0.0]
+    with RewardRunner(batched_raises, timeout_s=timeout_s) as runner:
+        assert runner.score_texts(["q"] * 3, ["1", "2", "3"], [1, 2, 3]) == ([0.0] * 3, {"timeouts": 0, "errors": 1})
+    with RewardRunner(batched_short, timeout_s=timeout_s) as runner:
+        with pytest.raises(ValueError, match=r"test_rewards:batched_short \(batched\) returned 2 rewards for 3"):
+            runner.score_texts(["q"] * 3, ["1", "2", "3"], [1, 2, 3])

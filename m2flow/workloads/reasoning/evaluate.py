@@ -19,15 +19,16 @@ def evaluate(engine, tokenizer, items: Sequence[dict], reward_fn: str, k: int = 
     greedy = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop))
     out = {"problems": len(items)}
     with RewardRunner(reward_fn, timeout_s=timeout_s) as runner:
-        calls = [(completion_text(tokenizer, g[0].response_ids, stop), it["answer"]) for g, it in zip(greedy, items)]
-        scores, _ = runner.score(calls)
+        texts = [completion_text(tokenizer, g[0].response_ids, stop) for g in greedy]
+        scores, _ = runner.score_texts([it.get("prompt", "") for it in items], texts, [it["answer"] for it in items])
         out["pass@1"] = sum(s >= 1.0 for s in scores) / max(len(scores), 1)
         if k > 1:
             sampled = engine.generate(prompts, SamplingParams(n=k, max_new_tokens=max_new_tokens, temperature=temperature,
                                                               stop_token_ids=stop, seed=seed))
-            calls = [(completion_text(tokenizer, s.response_ids, stop), it["answer"])
-                     for group, it in zip(sampled, items) for s in group]
-            scores, _ = runner.score(calls)
+            pairs = [(it, completion_text(tokenizer, s.response_ids, stop)) for group, it in zip(sampled, items)
+                     for s in group]
+            scores, _ = runner.score_texts([it.get("prompt", "") for it, _ in pairs], [t for _, t in pairs],
+                                           [it["answer"] for it, _ in pairs])
             correct = [s >= 1.0 for s in scores]
             out[f"pass@{k}"] = sum(any(correct[i * k:(i + 1) * k]) for i in range(len(items))) / max(len(items), 1)
             out["sampled_accuracy"] = sum(correct) / max(len(correct), 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import json
 import logging
 import math
@@ -154,11 +155,27 @@ def load_reward_fn(spec: str) -> Callable[[str, Any], float]:
 # ---------------------------------------------------------------------------------------------- runner
 
 
-def _score_one(fn: Callable, call: Sequence) -> float:
-    value = float(fn(*call))
-    if not math.isfinite(value):
-        raise ValueError(f"reward is not finite: {value}")
-    return value
+def is_batched(fn: Callable) -> bool:
+    """A batched (TRL-style) reward function takes a parameter named `completions`:
+    `fn(prompts, completions, answers, **kwargs) -> list[float]`, called once per batch with keyword arguments.
+    Any other function is called per completion: `fn(response, answer) -> float`."""
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: per completion
+        return False
+
+
+def _score_one(fn: Callable, call: Sequence) -> float | list[float]:
+    """Per-completion call (response, answer, ...) -> a float; batched call (prompts, completions, answers) -> floats."""
+    if is_batched(fn):
+        prompts, completions, answers = call
+        values = [float(v) for v in fn(prompts=list(prompts), completions=list(completions), answers=list(answers))]
+    else:
+        values = [float(fn(*call))]
+    bad = [v for v in values if not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"reward is not finite: {bad[0]}")
+    return values if is_batched(fn) else values[0]
 
 
 class RewardRunner:
@@ -186,6 +203,22 @@ class RewardRunner:
                     f"RewardRunner: reward function {self.fn!r} cannot be sent to a worker process ({e}); "
                     "use a module-level function or a 'pkg.module:function' spec, or timeout_s=None to run inline"
                 ) from e
+
+    def score_texts(self, prompts: Sequence[str], completions: Sequence[str],
+                    answers: Sequence) -> tuple[list[float], dict[str, int]]:
+        """One reward per completion, whichever form the function has: per completion, each call under the timeout;
+        batched, one call for all of them under the timeout (if it raises or runs past it, all score 0 and it is
+        counted once). A batched function that returns the wrong number of rewards is an error, raised."""
+        if not is_batched(self.fn):
+            return self.score(list(zip(completions, answers)))
+        (got,), counts = self.score([(list(prompts), list(completions), list(answers))])
+        if not isinstance(got, list):  # the call failed or timed out: scored 0.0 and counted
+            return [0.0] * len(completions), counts
+        if len(got) != len(completions):
+            name = f"{getattr(self.fn, '__module__', '?')}:{getattr(self.fn, '__qualname__', self.fn)}"
+            raise ValueError(f"reward function {name} (batched) returned "
+                             f"{len(got)} rewards for {len(completions)} completions")
+        return got, counts
 
     def score(self, calls: Sequence[Sequence]) -> tuple[list[float], dict[str, int]]:
         """calls[i] = (response, answer, ...) -> (rewards[i] floats, {"timeouts": k, "errors": m})."""
