@@ -19,7 +19,7 @@ class RunDir:
     """`runs/NAME/`: a run's outputs. `resume=False` starts fresh files; `resume=True` keeps them."""
 
     def __init__(self, path: str | Path, cfg, resume: bool = False):
-        self.path = Path(path)
+        self.path = Path(path).resolve()  # absolute: worker processes do not share the driver's working directory
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "plots").mkdir(exist_ok=True)
         (self.path / "checkpoints").mkdir(exist_ok=True)

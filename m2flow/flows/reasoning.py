@@ -217,7 +217,7 @@ def prepare_model(cfg: ReasoningConfig, run_path: Path) -> str:
         if not (out / "config.json").exists():
             sft_model(path, str(out), cfg, progress=cfg.run.progress)
         path = str(out)
-    return path
+    return str(Path(path).resolve())  # absolute: worker processes do not share the driver's working directory
 
 
 def sft_model(model_path: str, out: str, cfg: ReasoningConfig, progress: bool = True) -> list[float]:
