@@ -1,4 +1,4 @@
-"""A run on disk (DESIGN.md): resolved config, metrics.jsonl, TensorBoard, PNG curves, atomic
+"""A run on disk (docs/architecture.md): resolved config, metrics.jsonl, TensorBoard, PNG curves, atomic
 checkpoints, trace. Flows call it; it never trains or schedules anything.
 """
 

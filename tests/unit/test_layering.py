@@ -1,4 +1,4 @@
-"""DESIGN.md layering: imports point downward only. Parses every module's imports with ast."""
+"""docs/architecture.md's layering: imports point downward only. Parses every module's imports with ast."""
 
 import ast
 from pathlib import Path
