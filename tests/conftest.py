@@ -17,6 +17,7 @@ def cluster():
     # Worker processes import the Worker classes that tests define by module name (`test_group`, ...):
     # give them the test directories that pytest put on the driver's sys.path.
     test_dirs = [p for p in sys.path if p and Path(p).resolve().is_relative_to(TESTS)]
+    test_dirs.append(str(TESTS.parent / "examples"))  # the example flows (tests/e2e/test_custom_flow.py)
     os.environ["PYTHONPATH"] = os.pathsep.join([*test_dirs, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     c = Cluster(cpu_devices=2)
     yield c
