@@ -33,7 +33,7 @@ class RewardWorker(Worker):
                 with self.span("reward", step):  # CPU work beside the device's tenants: never takes the device lock
                     n = len(group["texts"])
                     scores, counters = self.runner.score_texts([group.get("prompt", "")] * n, group["texts"],
-                                                               [group["answer"]] * n)
+                                                               [group["answer"]] * n, [group.get("columns", {})] * n)
                 timeouts += counters["timeouts"]
                 errors += counters["errors"]
                 rewards += scores

@@ -58,7 +58,7 @@ class RolloutWorker(Worker):
             tokens += sum(len(g.response_ids) for g in group)
             ready.append({
                 "index": p["index"], "prompt": p.get("prompt", ""), "prompt_ids": list(p["prompt_ids"]),
-                "answer": p["answer"],
+                "answer": p["answer"], "columns": p.get("columns", {}),
                 "responses": [g.response_ids for g in group], "logprobs": [g.logprobs for g in group],
                 "texts": [completion_text(self.tokenizer, g.response_ids, params.stop_token_ids) for g in group],
                 "finish": [g.finish_reason for g in group], "version": self.version,

@@ -25,3 +25,8 @@ def wrong_count(prompts, completions, answers):
 
     Path(tempfile.gettempdir(), "m2flow_wrong_count_ppid").write_text(str(os.getppid()))
     return [0.0] * (len(completions) - 1)
+
+
+def hint_agrees(prompts, completions, answers, hint):
+    """Batched, with a dataset column: 1 where the record's `hint` column arrived beside its own answer."""
+    return [float(str(h) == str(a)) for h, a in zip(hint, answers)]

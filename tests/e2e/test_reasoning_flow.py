@@ -240,10 +240,17 @@ def test_eval_of_a_checkpoint_uses_its_runs_data_reward_and_length(cluster, tmp_
     assert "problems: 5" in capsys.readouterr().out
 
 
-def test_a_batched_reward_function_gets_each_groups_prompts_completions_and_answers(cluster, tmp_path):
+def test_a_batched_reward_function_gets_each_groups_prompts_completions_answers_and_columns(cluster, tmp_path):
     train(make_cfg(tmp_path, "batched", "run.steps=1", "reward.fn=reward_fixtures:sums_checked"), cluster)
     (row,) = rows(tmp_path / "batched")
     assert row["reward/mean"] == 1.0 and row["reward/errors"] == 0  # every prompt arrived with its own answer
+    data = tmp_path / "hints.jsonl"  # a file's other columns reach a batched function as keyword arguments
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "hint": str(2 * a)}) + "\n"
+                            for a in range(10, 40)))
+    train(make_cfg(tmp_path, "columns", "run.steps=1", "data.task=file", f"data.path={data}", "data.eval_size=5",
+                   "reward.fn=reward_fixtures:hint_agrees"), cluster)
+    (row,) = rows(tmp_path / "columns")
+    assert row["reward/mean"] == 1.0 and row["reward/errors"] == 0
 
 
 def running(pid: int) -> bool:

@@ -66,7 +66,7 @@ def test_countdown_solutions_reach_targets():
 def test_load_plain_jsonl_and_parquet_agree():
     a = load_dataset(FIXTURES / "plain_sample.jsonl")
     b = load_dataset(FIXTURES / "plain_sample.parquet")
-    assert a == b and a[0] == {"prompt": "12+34=", "answer": "46"} and len(a) == 5
+    assert a == b and a[0] == {"prompt": "12+34=", "answer": "46", "columns": {}} and len(a) == 5
 
 
 def test_load_gsm8k_layout_extracts_final_answer():

@@ -136,7 +136,8 @@ def test_runner_inline_and_bad_functions():
 
 
 def batched_lengths(prompts, completions, answers, **columns):
-    return [len(c) + (p == "q") + (a == 1) for p, c, a in zip(prompts, completions, answers)]
+    hints = columns.get("hint", [0] * len(completions))
+    return [len(c) + (p == "q") + (a == 1) + 10 * h for p, c, a, h in zip(prompts, completions, answers, hints)]
 
 
 def batched_raises(prompts, completions, answers):
@@ -157,6 +158,8 @@ def test_batched_reward_functions_are_told_apart_and_called_once(timeout_s):
     with RewardRunner(batched_lengths, timeout_s=timeout_s) as runner:
         scores, counts = runner.score_texts(["q", "r"], ["ab", "abcd"], [1, 2])
     assert scores == [4.0, 4.0] and counts == {"timeouts": 0, "errors": 0}
+    with RewardRunner(batched_lengths, timeout_s=timeout_s) as runner:  # each dataset column as a keyword argument
+        assert runner.score_texts(["q", "r"], ["ab", "abcd"], [1, 2], [{"hint": 1}, {"hint": 2}])[0] == [14.0, 24.0]
     with RewardRunner(exact_match, timeout_s=timeout_s) as runner:
         assert runner.score_texts(["q", "q"], ["82", "83"], [82, 82])[0] == [1.0, 0.0]
     with RewardRunner(batched_raises, timeout_s=timeout_s) as runner:

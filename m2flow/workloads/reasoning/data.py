@@ -26,7 +26,8 @@ def load_dataset(
     extract: str | None = None,
     layout: str = "plain",
 ) -> list[dict]:
-    """Read a .jsonl / .json / .parquet file into records {"prompt": str, "answer": Any[, "solution": str]}.
+    """Read a .jsonl / .json / .parquet file into records {"prompt": str, "answer": Any, "columns": {the row's other
+    columns}[, "solution": str]} (batched reward functions get the columns as keyword arguments).
 
     `layout` ("plain", "gsm8k", "math") gives default keys and extraction; explicit arguments win.
     extract="gsm8k" keeps the text after the last "####" (commas removed), extract="boxed" the content of
@@ -55,7 +56,8 @@ def load_dataset(
         for key in (prompt_key, answer_key):
             if row.get(key) is None:
                 raise ValueError(f"{p}: record {i} has no value for {key!r}")
-        record = {"prompt": str(row[prompt_key]), "answer": row[answer_key]}
+        record = {"prompt": str(row[prompt_key]), "answer": row[answer_key],
+                  "columns": {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}}
         if extract is not None:
             text = str(row[answer_key])
             record["answer"] = _extract(text, extract, where=f"{p}: record {i} ({answer_key!r})")
@@ -158,7 +160,8 @@ class PromptDataset:
             longest = max(longest, len(ids))
             if len(ids) > max_prompt_len:
                 continue
-            item = {"index": i, "prompt": record["prompt"], "prompt_ids": ids, "answer": record.get("answer")}
+            item = {"index": i, "prompt": record["prompt"], "prompt_ids": ids, "answer": record.get("answer"),
+                    "columns": record.get("columns", {})}
             if "solution" in record:
                 item["solution"] = record["solution"]
             self.items.append(item)

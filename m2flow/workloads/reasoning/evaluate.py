@@ -20,7 +20,8 @@ def evaluate(engine, tokenizer, items: Sequence[dict], reward_fn: str, k: int = 
     out = {"problems": len(items)}
     with RewardRunner(reward_fn, timeout_s=timeout_s) as runner:
         texts = [completion_text(tokenizer, g[0].response_ids, stop) for g in greedy]
-        scores, _ = runner.score_texts([it.get("prompt", "") for it in items], texts, [it["answer"] for it in items])
+        scores, _ = runner.score_texts([it.get("prompt", "") for it in items], texts, [it["answer"] for it in items],
+                                       [it.get("columns", {}) for it in items])
         out["pass@1"] = sum(s >= 1.0 for s in scores) / max(len(scores), 1)
         if k > 1:
             sampled = engine.generate(prompts, SamplingParams(n=k, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -28,7 +29,7 @@ def evaluate(engine, tokenizer, items: Sequence[dict], reward_fn: str, k: int = 
             pairs = [(it, completion_text(tokenizer, s.response_ids, stop)) for group, it in zip(sampled, items)
                      for s in group]
             scores, _ = runner.score_texts([it.get("prompt", "") for it, _ in pairs], [t for _, t in pairs],
-                                           [it["answer"] for it, _ in pairs])
+                                           [it["answer"] for it, _ in pairs], [it.get("columns", {}) for it, _ in pairs])
             correct = [s >= 1.0 for s in scores]
             out[f"pass@{k}"] = sum(any(correct[i * k:(i + 1) * k]) for i in range(len(items))) / max(len(items), 1)
             out["sampled_accuracy"] = sum(correct) / max(len(correct), 1)

@@ -166,10 +166,12 @@ def is_batched(fn: Callable) -> bool:
 
 
 def _score_one(fn: Callable, call: Sequence) -> float | list[float]:
-    """Per-completion call (response, answer, ...) -> a float; batched call (prompts, completions, answers) -> floats."""
+    """Per-completion call (response, answer, ...) -> a float; batched call (prompts, completions, answers, {column:
+    values}) -> floats."""
     if is_batched(fn):
-        prompts, completions, answers = call
-        values = [float(v) for v in fn(prompts=list(prompts), completions=list(completions), answers=list(answers))]
+        prompts, completions, answers, columns = call
+        values = [float(v) for v in fn(prompts=list(prompts), completions=list(completions), answers=list(answers),
+                                       **columns)]
     else:
         values = [float(fn(*call))]
     bad = [v for v in values if not math.isfinite(v)]
@@ -204,14 +206,19 @@ class RewardRunner:
                     "use a module-level function or a 'pkg.module:function' spec, or timeout_s=None to run inline"
                 ) from e
 
-    def score_texts(self, prompts: Sequence[str], completions: Sequence[str],
-                    answers: Sequence) -> tuple[list[float], dict[str, int]]:
+    def score_texts(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence,
+                    columns: Sequence[dict] | None = None) -> tuple[list[float], dict[str, int]]:
         """One reward per completion, whichever form the function has: per completion, each call under the timeout;
         batched, one call for all of them under the timeout (if it raises or runs past it, all score 0 and it is
-        counted once). A batched function that returns the wrong number of rewards is an error, raised."""
+        counted once), with each dataset column (`columns[i]`: completion i's record's other columns) as a keyword
+        argument holding one value per completion. A batched function that returns the wrong number of rewards is
+        an error, raised."""
         if not is_batched(self.fn):
             return self.score(list(zip(completions, answers)))
-        (got,), counts = self.score([(list(prompts), list(completions), list(answers))])
+        rows = list(columns) if columns is not None else [{}] * len(completions)
+        names = sorted({k for row in rows for k in row} - {"prompts", "completions", "answers"})
+        by_name = {k: [row.get(k) for row in rows] for k in names}
+        (got,), counts = self.score([(list(prompts), list(completions), list(answers), by_name)])
         if not isinstance(got, list):  # the call failed or timed out: scored 0.0 and counted
             return [0.0] * len(completions), counts
         if len(got) != len(completions):
