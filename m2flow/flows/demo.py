@@ -23,14 +23,16 @@ def model_dir(path: str) -> str:
 
 def eval_config(path: str, overrides: list[str] | None = None) -> tuple[str, C.ReasoningConfig, str]:
     """What `m2flow eval PATH` evaluates: (model directory, config, where the config came from). A run directory
-    means its newest checkpoint; a checkpoint is evaluated under its run's config (data, reward, generation length:
-    the checkpoint's config.yaml, else the run directory's), `overrides` on top; a bare model directory under the
-    defaults."""
+    means its newest checkpoint; a checkpoint (or its model/ directory) is evaluated under its run's config (data,
+    reward, generation length: the checkpoint's config.yaml, else the run directory's), `overrides` on top; a bare
+    model directory under the defaults."""
     p = Path(path)
     if not (p / "config.json").exists() and not (p / "model").is_dir() and (found := latest_checkpoint(p)):
         p = found[1]  # a run directory
-    saved = [c for c in (p / "config.yaml", p.parent.parent / "config.yaml")
-             if c.exists() and (c.parent == p or p.parent.name == "checkpoints")]
+    ckpt = p.parent if p.name == "model" and p.parent.parent.name == "checkpoints" else p
+    candidates = [ckpt / "config.yaml"] + ([ckpt.parent.parent / "config.yaml"] if ckpt.parent.name == "checkpoints"
+                                           else [])
+    saved = [c for c in candidates if c.exists()]
     base = C.read_yaml(saved[0]) if saved else None
     source = f"the run's config ({saved[0]})" if saved else "the default config"
     return model_dir(str(p)), C.load(C.ReasoningConfig, base, overrides), source

@@ -230,7 +230,7 @@ def test_eval_of_a_checkpoint_uses_its_runs_data_reward_and_length(cluster, tmp_
                    "data.answer_key=result", "data.eval_size=12", "reward.fn=exact_match", "rollout.max_new_tokens=3",
                    "cluster.placement=rollout,reward,inference,actor: 0-1:0"), cluster)
     checkpoint = tmp_path / "file" / "checkpoints" / "step_1"
-    for target in (tmp_path / "file", checkpoint):  # a run directory means its newest checkpoint
+    for target in (tmp_path / "file", checkpoint, checkpoint / "model"):  # a run directory: its newest checkpoint
         assert cli.main(["eval", str(target), "--k", "1"]) == 0
         out = capsys.readouterr().out
         assert f"model: {checkpoint / 'model'}" in out and f"config: the run's config ({checkpoint / 'config.yaml'})" in out
