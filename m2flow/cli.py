@@ -119,7 +119,7 @@ def cmd_eval(args) -> int:
 
 def cmd_sft(args) -> int:
     from m2flow import config as C
-    from m2flow.flows.reasoning import sft_model
+    from m2flow.workloads.reasoning.warm_start import sft_model
 
     cfg = C.load(C.ReasoningConfig, None, args.overrides + [f"sft.steps={args.steps}", f"sft.batch_size={args.batch_size}", f"sft.lr={args.lr}"])
     sft_model(args.model, args.out, cfg)

@@ -10,7 +10,8 @@ from pathlib import Path
 from m2flow import config as C
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.flows.outputs import latest_checkpoint
-from m2flow.flows.reasoning import prepare_model, train
+from m2flow.flows.reasoning import train
+from m2flow.workloads.reasoning.warm_start import prepare_model
 from m2flow.workloads.reasoning.evaluate import evaluate
 from m2flow.workloads.reasoning.tasks import build_datasets, reward_name, reward_timeout
 

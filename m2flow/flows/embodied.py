@@ -27,6 +27,7 @@ from m2flow.scheduler.plan import make_plan
 from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
 from m2flow.workers.env import EnvWorker, make_env_group, video_recorder
 from m2flow.workers.policy import PolicyWorker, make_policy
+from m2flow.workers.sync import sync_weights
 
 COMPONENTS = ["env", "rollout", "actor"]
 PLOTS = {
@@ -79,7 +80,7 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
         state = torch.load(ckpt / "driver.pt", weights_only=False)
         env_steps, recent = state["env_steps"], deque(state["recent"], maxlen=cfg.run.stop_window)
         run.drop_metrics_after(start)
-    sync_weights(actor, rollout, local_sync, check=cfg.rollout.checks_sync(0))
+    sync_weights(actor.on([0]), [rollout], cfg.rollout.checks_sync(0), local_sync)  # one rank's weights are all's
 
     last, step, saved = {}, start, None
     try:
@@ -96,7 +97,7 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
                     ])
                     t1 = time.perf_counter()
                     checked = cfg.rollout.checks_sync(step - start + 1)
-                    sync_weights(actor, rollout, local_sync, check=checked)
+                    sync_weights(actor.on([0]), [rollout], checked, local_sync)
                     t2 = time.perf_counter()
                     recent.extend(e["return"] for out in env_out for e in out["episodes"])
                     env_steps += sum(out["env_steps"] for out in env_out)
@@ -138,15 +139,6 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
         result["eval"] = evaluate_checkpoint(saved, cfg.eval.episodes)
         (run.path / "eval.json").write_text(json.dumps(result["eval"], indent=1))
     return result
-
-
-def sync_weights(actor, rollout, local: bool = False, check: bool = True) -> None:
-    """Actor rank 0 publishes its weights once; every policy worker loads them in place and, when `check`ed, must
-    match them bit for bit. `local`: the policy workers live in actor rank 0's process, so the weights stay in it."""
-    weights = actor.on([0]).publish_weights(local, check).wait()[0]
-    digests = rollout.load_weights(weights).wait()
-    if check and any(d != weights.digest for d in digests):
-        raise RuntimeError(f"weight sync v{weights.version}: a policy worker's weights differ from the actor's")
 
 
 def iteration_metrics(env_out: list[dict], recent) -> dict:

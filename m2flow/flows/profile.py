@@ -153,7 +153,8 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
     `batches`: samples per call (whole prompt groups; default `default_batches`); `devices`: device counts to run
     each component on (default 1 and 2 where the cluster has 2): 1 = `comp: 0`, d = one rank over devices 0..d-1.
     Each row is the median of `repeats` calls after a warm-up call."""
-    from m2flow.flows.reasoning import prepare_model, sync_weights
+    from m2flow.workers.sync import sync_weights
+    from m2flow.workloads.reasoning.warm_start import prepare_model
 
     run_dir = Path(run_dir or cfg.run.path)
     out_path = Path(out_path or run_dir / "profile.json")

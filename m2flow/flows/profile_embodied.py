@@ -70,7 +70,7 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
     cluster has 2): d = `env,rollout,actor: 0-(d-1)`, one worker of each per device (env worker r in lockstep with
     policy worker r; the actor ranks data-parallel). Each row is the median of `repeats` rollouts (or updates) after
     a warm-up rollout."""
-    from m2flow.flows.embodied import sync_weights
+    from m2flow.workers.sync import sync_weights
 
     run_dir = Path(run_dir or cfg.run.path)
     out_path = Path(out_path or run_dir / "profile.json")
@@ -98,7 +98,7 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                 groups.append(policy)
                 actor = EmbodiedActorProbe.launch(cluster, placement["actor"], cfg, *spaces, run_dir=str(work_dir))
                 groups.append(actor)
-                sync_weights(actor, policy)
+                sync_weights(actor.on([0]), [policy], check=True)
                 policy_of = [policy.on(r) for r in range(d)]
                 for b in (b for b in batches if b % d == 0):
                     env.resize(b).wait()
@@ -128,7 +128,7 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                                                      "seconds": seconds})
                 for _ in range(repeats):
                     t = time.perf_counter()
-                    sync_weights(actor, policy, check=cfg.rollout.checks_sync(2))  # as in a run's steady state
+                    sync_weights(actor.on([0]), [policy], check=cfg.rollout.checks_sync(2))  # as in a run's steady state
                     info["sync"].append(time.perf_counter() - t)
                 if d == min(devices):
                     info["state"] = {"rollout": policy.model_bytes().wait()[0], "actor": actor.state_bytes().wait()[0]}

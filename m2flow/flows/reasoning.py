@@ -26,7 +26,9 @@ from m2flow.workers.actor import ActorWorker
 from m2flow.workers.inference import InferenceWorker
 from m2flow.workers.reward import RewardWorker
 from m2flow.workers.rollout import RolloutWorker
+from m2flow.workers.sync import sync_weights
 from m2flow.workloads.reasoning.tasks import build_datasets
+from m2flow.workloads.reasoning.warm_start import prepare_model
 
 COMPONENTS = ["rollout", "reward", "inference", "actor"]
 PLOTS = {
@@ -183,15 +185,6 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
             "final_model": str(run.path / "checkpoints" / f"step_{cfg.run.steps}" / "model")}
 
 
-def sync_weights(actor, receivers, check: bool, local: bool = False) -> None:
-    """The actor publishes its weights once (rank 0, gathered from every rank if sharded); every receiver rank loads
-    them in place. `local`: the receivers live in the actor's process (co-hosted), so the weights stay in it."""
-    weights = actor.publish_weights(check, local).wait()[0]
-    digests = [d for h in wait_all([g.load_weights(weights) for g in receivers]) for d in h]
-    if check and any(d != weights.digest for d in digests):
-        raise RuntimeError(f"weight sync v{weights.version}: a receiver's weights differ from the actor's")
-
-
 def merge_metrics(results: list[list[dict]]) -> dict:
     """Per-rank metric dicts of every stage -> one dict (numbers averaged over ranks)."""
     out: dict = {}
@@ -200,41 +193,6 @@ def merge_metrics(results: list[list[dict]]) -> dict:
             values = [r[key] for r in per_rank]
             out[key] = sum(values) / len(values)
     return out
-
-
-def prepare_model(cfg: ReasoningConfig, run_path: Path) -> str:
-    """The model directory RL starts from: `model.path`, or a tiny model built into the run directory;
-    then, with `sft.steps`, a supervised warm start on the task's reference answers (done once)."""
-    path = cfg.model.path
-    if not path:
-        from m2flow.engines.hf import init_tiny_model
-
-        path = str(run_path / "init_model")
-        if not (Path(path) / "config.json").exists():
-            init_tiny_model(path, hidden_size=cfg.model.tiny_hidden, num_layers=cfg.model.tiny_layers, seed=cfg.run.seed)
-    if cfg.sft.steps > 0:
-        out = run_path / "sft_model"
-        if not (out / "config.json").exists():
-            sft_model(path, str(out), cfg, progress=cfg.run.progress)
-        path = str(out)
-    return str(Path(path).resolve())  # absolute: worker processes do not share the driver's working directory
-
-
-def sft_model(model_path: str, out: str, cfg: ReasoningConfig, progress: bool = True) -> list[float]:
-    """Fine-tune `model_path` on the train split's reference answers; writes an HF directory to `out`."""
-    from m2flow.engines.hf import load_model
-    from m2flow.engines.train import sft
-    from m2flow.workloads.reasoning.tasks import task_records
-
-    torch.manual_seed(cfg.run.seed)
-    model, tok = load_model(model_path), load_tokenizer(model_path)
-    records = task_records(cfg.data, cfg.run.seed, "train")
-    pairs = [(r["prompt"], str(r.get("solution", r["answer"]))) for r in records]
-    losses = sft(model, tok, pairs, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
-                 seed=cfg.run.seed, progress=progress)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return losses
 
 
 def save_checkpoint(run: RunDir, cfg: ReasoningConfig, step: int, actor, data_state: dict) -> None:

@@ -160,7 +160,7 @@ class EmbodiedActorWorker(Worker):
         return out
 
     # -- weights and checkpoints -----------------------------------------------------------------
-    def publish_weights(self, local: bool = False, check: bool = True):
+    def publish_weights(self, check: bool = True, local: bool = False):
         """The policy's weights, with their digest when the receivers' copies are to be `check`ed; `local`: for
         receivers in this process only (no object store)."""
         return publish(self.policy.state_dict(), self.version, digest=check, local=local)

@@ -1,0 +1,45 @@
+"""The model a reasoning run starts from: `model.path`, or a tiny model built from the config, then an optional
+supervised warm start (SFT) on the task's reference answers. Used by the flows, the profilers and the examples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from m2flow.engines.hf import load_tokenizer
+
+def prepare_model(cfg, run_path: Path) -> str:
+    """The model directory RL starts from: `model.path`, or a tiny model built into the run directory;
+    then, with `sft.steps`, a supervised warm start on the task's reference answers (done once)."""
+    path = cfg.model.path
+    if not path:
+        from m2flow.engines.hf import init_tiny_model
+
+        path = str(run_path / "init_model")
+        if not (Path(path) / "config.json").exists():
+            init_tiny_model(path, hidden_size=cfg.model.tiny_hidden, num_layers=cfg.model.tiny_layers, seed=cfg.run.seed)
+    if cfg.sft.steps > 0:
+        out = run_path / "sft_model"
+        if not (out / "config.json").exists():
+            sft_model(path, str(out), cfg, progress=cfg.run.progress)
+        path = str(out)
+    return str(Path(path).resolve())  # absolute: worker processes do not share the driver's working directory
+
+
+def sft_model(model_path: str, out: str, cfg, progress: bool = True) -> list[float]:
+    """Fine-tune `model_path` on the train split's reference answers; writes an HF directory to `out`."""
+    from m2flow.engines.hf import load_model
+    from m2flow.engines.train import sft
+    from m2flow.workloads.reasoning.tasks import task_records
+
+    torch.manual_seed(cfg.run.seed)
+    model, tok = load_model(model_path), load_tokenizer(model_path)
+    records = task_records(cfg.data, cfg.run.seed, "train")
+    pairs = [(r["prompt"], str(r.get("solution", r["answer"]))) for r in records]
+    losses = sft(model, tok, pairs, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
+                 seed=cfg.run.seed, progress=progress)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return losses
+
