@@ -28,6 +28,7 @@ from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
 from m2flow.workers.env import EnvWorker, make_env_group, video_recorder
 from m2flow.workers.policy import PolicyWorker, make_policy
 from m2flow.workers.sync import sync_weights
+from m2flow.runtime.files import load_plain
 
 COMPONENTS = ["env", "rollout", "actor"]
 PLOTS = {
@@ -77,7 +78,7 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
     if cfg.run.resume and (found := run.latest_checkpoint()):
         start, ckpt = found
         wait_all([actor.load_checkpoint(str(ckpt)), env.load_state(str(ckpt))])
-        state = torch.load(ckpt / "driver.pt", weights_only=False)
+        state = load_plain(ckpt / "driver.pt")
         env_steps, recent = state["env_steps"], deque(state["recent"], maxlen=cfg.run.stop_window)
         run.drop_metrics_after(start)
     sync_weights(actor.on([0]), [rollout], cfg.rollout.checks_sync(0), local_sync)  # one rank's weights are all's

@@ -29,6 +29,7 @@ from m2flow.workers.rollout import RolloutWorker
 from m2flow.workers.sync import sync_weights
 from m2flow.workloads.reasoning.tasks import build_datasets
 from m2flow.workloads.reasoning.warm_start import prepare_model
+from m2flow.runtime.files import load_plain
 
 COMPONENTS = ["rollout", "reward", "inference", "actor"]
 PLOTS = {
@@ -208,7 +209,7 @@ def save_checkpoint(run: RunDir, cfg: ReasoningConfig, step: int, actor, data_st
 
 
 def restore_driver_state(ckpt: Path, train_set) -> None:
-    state = torch.load(ckpt / "driver.pt", weights_only=False)
+    state = load_plain(ckpt / "driver.pt")
     train_set.load_state_dict(state["data"])
     random.setstate(state["python_rng"])
     torch.set_rng_state(state["torch_rng"])

@@ -29,6 +29,7 @@ from m2flow.runtime import Worker
 from m2flow.runtime.weights import publish
 from m2flow.types import Batch
 from m2flow.workers.common import drain
+from m2flow.runtime.files import load_plain
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -239,7 +240,7 @@ class ActorWorker(Worker):
         """Resume from `save_checkpoint`'s output, whatever rank count wrote it."""
         d = Path(directory)
         load_sharded(self.model, self.optimizer, d / "actor_dcp")
-        s = torch.load(d / "actor_state.pt", weights_only=False)
+        s = load_plain(d / "actor_state.pt")
         self.scheduler.load_state_dict(s["scheduler"])
         self.version = s["version"]
         torch.set_rng_state(s["torch_rng"])

@@ -18,6 +18,7 @@ from m2flow.runtime import Worker
 from m2flow.runtime.weights import publish
 from m2flow.workers.policy import make_policy
 from m2flow.workloads.embodied import Trajectory
+from m2flow.runtime.files import load_plain
 
 
 def advantages(traj: Trajectory, cfg, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
@@ -177,7 +178,7 @@ class EmbodiedActorWorker(Worker):
     def load_checkpoint(self, directory: str) -> int:
         d = Path(directory)
         load_policy(self.policy, d)
-        s = torch.load(d / "actor_state.pt", weights_only=False)
+        s = load_plain(d / "actor_state.pt")
         self.optimizer.load_state_dict(s["optimizer"])
         self.gen.set_state(s["gen"])
         self.version = s["version"]

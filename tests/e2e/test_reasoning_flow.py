@@ -277,6 +277,32 @@ def test_a_step_that_raises_kills_the_runs_processes_and_destroys_its_channels(c
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if run in a["name"]]
 
 
+class Touch:
+    """Unpickling it creates a file: what a malicious checkpoint could do instead."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.path),)
+
+
+def test_a_checkpoint_holding_arbitrary_python_objects_is_refused(cluster, tmp_path):
+    """Checkpoint state loads as tensors and plain data only: a driver.pt or actor_state.pt that would run code when
+    unpickled is refused with an error naming the file, and the code never runs."""
+    common = ["reward.fn=reward_fixtures:digit_fraction", "cluster.placement=rollout,reward,inference,actor: 0-1:0"]
+    train(make_cfg(tmp_path, "shared", "run.steps=1", *common), cluster)
+    ckpt = tmp_path / "shared" / "checkpoints" / "step_1"
+    marker = tmp_path / "code_ran"
+    for name, error, where in (("driver.pt", ValueError, ""), ("actor_state.pt", WorkerError, r"actor rank 0.*")):
+        good = torch.load(ckpt / name, weights_only=True)  # what m2flow writes is plain data
+        torch.save({**good, "extra": Touch(marker)}, ckpt / name)
+        with pytest.raises(error, match=where + re.escape(f"{name}: refused to load: it holds Python objects")):
+            train(make_cfg(tmp_path, "shared", "run.steps=2", "run.resume=true", *common), cluster)
+        assert not marker.exists()
+        torch.save(good, ckpt / name)
+
+
 def test_resume_matches_an_uninterrupted_run(cluster, tmp_path):
     common = ["cluster.placement=rollout: 0; reward,inference,actor: 1", "reward.fn=reward_fixtures:digit_fraction"]
     train(make_cfg(tmp_path, "full", "run.steps=4", *common), cluster)
