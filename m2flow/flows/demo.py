@@ -11,9 +11,9 @@ from m2flow import config as C
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.flows.outputs import latest_checkpoint
 from m2flow.flows.reasoning import train
-from m2flow.workloads.reasoning.warm_start import prepare_model
 from m2flow.workloads.reasoning.evaluate import evaluate
 from m2flow.workloads.reasoning.tasks import build_datasets, reward_name, reward_timeout
+from m2flow.workloads.reasoning.warm_start import prepare_model
 
 
 def model_dir(path: str) -> str:
@@ -40,7 +40,7 @@ def eval_config(path: str, overrides: list[str] | None = None) -> tuple[str, C.R
 
 
 def describe_eval_data(data: C.DataConfig, seed: int) -> str:
-    """The held-out split in words, e.g. `2-digit '+' arithmetic (seed 0), 200 held-out problems`."""
+    """The held-out split in words, e.g. `2-digit '+' arithmetic (seed 0), held-out split of 200 problems`."""
     if data.task == "file":
         return f"{data.path}, held-out split (its last {data.eval_size} records)"
     what = f"{data.digits}-digit '{data.ops}' arithmetic" if data.task == "arithmetic" else data.task

@@ -22,13 +22,13 @@ from m2flow import config as C
 from m2flow.config import EmbodiedConfig
 from m2flow.flows.outputs import RunDir, latest_checkpoint, progress
 from m2flow.runtime import Channel, Cluster, launch_all, running, wait_all
+from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import make_plan
 from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
 from m2flow.workers.env import EnvWorker, make_env_group, video_recorder
 from m2flow.workers.policy import PolicyWorker, make_policy
 from m2flow.workers.sync import sync_weights
-from m2flow.runtime.files import load_plain
 
 COMPONENTS = ["env", "rollout", "actor"]
 PLOTS = {

@@ -20,6 +20,7 @@ from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
 from m2flow.flows.outputs import RunDir, idle_metrics, progress
 from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, running, wait_all
+from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import make_plan
 from m2flow.workers.actor import ActorWorker
@@ -29,7 +30,6 @@ from m2flow.workers.rollout import RolloutWorker
 from m2flow.workers.sync import sync_weights
 from m2flow.workloads.reasoning.tasks import build_datasets
 from m2flow.workloads.reasoning.warm_start import prepare_model
-from m2flow.runtime.files import load_plain
 
 COMPONENTS = ["rollout", "reward", "inference", "actor"]
 PLOTS = {

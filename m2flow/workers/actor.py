@@ -26,10 +26,10 @@ from m2flow.engines.fsdp import (
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.engines.train import token_logprobs, token_logprobs_and_entropy
 from m2flow.runtime import Worker
+from m2flow.runtime.files import load_plain
 from m2flow.runtime.weights import publish
 from m2flow.types import Batch
 from m2flow.workers.common import drain
-from m2flow.runtime.files import load_plain
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):

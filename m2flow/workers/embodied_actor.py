@@ -15,10 +15,10 @@ import torch
 
 from m2flow.algorithms import embodied_grpo_advantages, first_episode_mask, gae, policy_loss, shift_values, value_loss
 from m2flow.runtime import Worker
+from m2flow.runtime.files import load_plain
 from m2flow.runtime.weights import publish
 from m2flow.workers.policy import make_policy
 from m2flow.workloads.embodied import Trajectory
-from m2flow.runtime.files import load_plain
 
 
 def advantages(traj: Trajectory, cfg, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:

@@ -165,10 +165,10 @@ def is_batched(fn: Callable) -> bool:
         return False
 
 
-def _score_one(fn: Callable, call: Sequence) -> float | list[float]:
+def _score_one(fn: Callable, call: Sequence, batched: bool) -> float | list[float]:
     """Per-completion call (response, answer, ...) -> a float; batched call (prompts, completions, answers, {column:
-    values}) -> floats."""
-    if is_batched(fn):
+    values}) -> floats. `batched` is is_batched(fn), decided once per function, not per call."""
+    if batched:
         prompts, completions, answers, columns = call
         values = [float(v) for v in fn(prompts=list(prompts), completions=list(completions), answers=list(answers),
                                        **columns)]
@@ -177,7 +177,7 @@ def _score_one(fn: Callable, call: Sequence) -> float | list[float]:
     bad = [v for v in values if not math.isfinite(v)]
     if bad:
         raise ValueError(f"reward is not finite: {bad[0]}")
-    return values if is_batched(fn) else values[0]
+    return values if batched else values[0]
 
 
 class RewardRunner:
@@ -192,6 +192,7 @@ class RewardRunner:
 
     def __init__(self, fn: Callable | str, timeout_s: float | None = 10.0, max_workers: int = 2):
         self.fn = load_reward_fn(fn) if isinstance(fn, str) else fn
+        self.batched = is_batched(self.fn)
         self.timeout_s = timeout_s
         self.max_workers = max(1, max_workers)
         self.startup_timeout_s = 120.0
@@ -213,7 +214,7 @@ class RewardRunner:
         counted once), with each dataset column (`columns[i]`: completion i's record's other columns) as a keyword
         argument holding one value per completion. A batched function that returns the wrong number of rewards is
         an error, raised."""
-        if not is_batched(self.fn):
+        if not self.batched:
             return self.score(list(zip(completions, answers)))
         rows = list(columns) if columns is not None else [{}] * len(completions)
         names = sorted({k for row in rows for k in row} - {"prompts", "completions", "answers"})
@@ -234,7 +235,7 @@ class RewardRunner:
             rewards = []
             for call in calls:
                 try:
-                    rewards.append(_score_one(self.fn, call))
+                    rewards.append(_score_one(self.fn, call, self.batched))
                 except Exception:
                     rewards.append(0.0)
                     self._count_error(counts, traceback.format_exc())
@@ -400,6 +401,7 @@ def _worker_main() -> None:
 
     try:
         fn = pickle.load(proto_in)
+        batched = is_batched(fn)
     except BaseException:
         send(("init_error", traceback.format_exc()))
         return
@@ -409,6 +411,6 @@ def _worker_main() -> None:
         if call is None:
             return
         try:
-            send(("ok", _score_one(fn, call)))
+            send(("ok", _score_one(fn, call, batched)))
         except BaseException:
             send(("error", traceback.format_exc()))
