@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from m2flow import config as C
-from m2flow.flows.auto import measure_embodied_plan, measure_plan
+from m2flow.api import measure_plan, train
 from m2flow.runtime import Cluster
 
 
@@ -46,14 +46,10 @@ def main() -> None:
     common = [f"run.dir={out}", "run.name=auto", "run.progress=false", "run.trace=false", f"run.steps={args.steps}",
               "cluster.placement=auto"]
     if embodied:
-        from m2flow.flows.embodied import train
-
         cfg = C.load(C.EmbodiedConfig, None, [*common, f"env.id={args.env_id}", f"env.num_envs={args.envs}",
                                               f"rollout.steps={args.horizon}", "eval.episodes=0", *args.overrides])
         work = f"{args.env_id}, {args.envs} envs x {args.horizon} steps per iteration"
     else:
-        from m2flow.flows.reasoning import train
-
         batch = args.prompts * args.n
         cfg = C.load(C.ReasoningConfig, None, [
             *common, f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
@@ -63,7 +59,7 @@ def main() -> None:
     cluster = Cluster(cpu_devices=args.devices)
     load0 = os.getloadavg()[0]
     start = time.perf_counter()
-    train(cfg, cluster)  # auto mode: profile (unless OUT/auto/profile.json exists), plan, train the chosen plan
+    train(cfg, cluster=cluster)  # auto mode: profile (unless OUT/auto/profile.json exists), plan, train the chosen plan
     planned = time.perf_counter() - start
     report = json.loads((out / "auto" / "plan_report.json").read_text())
     grain = "pipeline_stages" if embodied else "micro_batch"
@@ -72,10 +68,7 @@ def main() -> None:
     search = json.loads((out / "auto" / "plan_search.json").read_text())
     rows = [{**search["candidates"][0], "measured": report["measured_step_seconds"]}]
     for i, c in enumerate(search["candidates"][1:], 1):
-        if embodied:
-            measured = measure_embodied_plan(cfg, cluster, c["placement_spec"], c[grain], out / f"plan{i}", args.steps)
-        else:
-            measured = measure_plan(cfg, cluster, c["placement_spec"], c[grain], out / f"plan{i}", steps=args.steps)
+        measured = measure_plan(cfg, c["placement_spec"], c[grain], out / f"plan{i}", args.steps, cluster)
         rows.append({**c, "measured": measured})
         print(f"  measured {c['placement_spec']} ({grain} {c[grain]}): {measured:.4f} s/step", flush=True)
     load1 = os.getloadavg()[0]

@@ -9,8 +9,8 @@
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["TrainResult", "evaluate", "load_config", "train", "__version__"]
-_API = {"TrainResult", "evaluate", "load_config", "train"}
+__all__ = ["TrainResult", "evaluate", "load_config", "measure_plan", "train", "__version__"]
+_API = {"TrainResult", "evaluate", "load_config", "measure_plan", "train"}
 
 
 def __getattr__(name: str):

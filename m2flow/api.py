@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TrainResult", "load_config", "train", "evaluate"]
+__all__ = ["TrainResult", "load_config", "train", "evaluate", "measure_plan"]
 
 
 @dataclass
@@ -53,20 +54,54 @@ def load_config(config: Any, overrides: list[str] | None = None):
 
 def train(config: Any, overrides: list[str] | None = None, cluster=None) -> TrainResult:
     """Train from a preset, path, dict or config object (see load_config) on `cluster` (an m2flow.runtime.Cluster;
-    default: the config's `cluster.address`, else a local Ray instance). The plan comes from `cluster.placement`."""
+    default: the config's `cluster.address`, else a local Ray instance). The plan is chosen first, then handed to the
+    flow: the one `cluster.placement` names, or with `auto` the fastest the planner predicts from a profile of this
+    run's components (profile.json, plan_candidates.txt and, after training, plan_report.json in the run directory)."""
     from m2flow import config as C
+    from m2flow.flows import embodied, reasoning
+    from m2flow.runtime import Cluster
 
     cfg = load_config(config, overrides)
-    if isinstance(cfg, C.ReasoningConfig):
-        from m2flow.flows.reasoning import train as run
+    cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
+    auto = cfg.cluster.placement == "auto"
+    plan = None  # the flow makes the plan the placement names
+    if auto:
+        from m2flow.planning.auto import choose_plan
 
-        out = run(cfg, cluster)
+        cfg, plan = choose_plan(cfg, cluster, cfg.run.path)
+    reasoning_run = isinstance(cfg, C.ReasoningConfig)
+    out = (reasoning if reasoning_run else embodied).train(cfg, cluster, plan)
+    if auto:
+        from m2flow.planning.auto import write_plan_report
+
+        write_plan_report(out["run_dir"], "time/step" if reasoning_run else "time/iteration")
+    if reasoning_run:
         return TrainResult("reasoning", Path(out["run_dir"]), out["metrics"], out["plan"], Path(out["final_model"]), cfg)
-    from m2flow.flows.embodied import train as run
-
-    out = run(cfg, cluster)
     final = Path(out["checkpoint"]) if out.get("checkpoint") else None
     return TrainResult("embodied", Path(out["run_dir"]), out["metrics"], out["plan"], final, cfg)
+
+
+def measure_plan(config: Any, placement: str, granularity: int, run_dir: str | Path, steps: int = 3,
+                 cluster=None) -> float:
+    """Time one plan by training it: `steps` steps (embodied: iterations) of the config's flow with placement
+    `placement` at `granularity` (reasoning: samples per message, `actor.micro_batch`; embodied: env pipeline
+    stages), in `run_dir`; returns the median step time, the first step left out. What benchmarks/plans.py and
+    the auto-mode tests put beside the planner's predictions."""
+    from m2flow import config as C
+    from m2flow.planning.auto import measured_step_seconds
+
+    cfg = load_config(config)
+    run_dir = Path(run_dir)
+    cfg = dc_replace(cfg, run=dc_replace(cfg.run, dir=str(run_dir.parent), name=run_dir.name, steps=steps, trace=False,
+                                         progress=False, save_every=0),
+                     cluster=dc_replace(cfg.cluster, placement=placement))
+    if isinstance(cfg, C.EmbodiedConfig):  # without evaluation or an early stop
+        cfg = dc_replace(cfg, env=dc_replace(cfg.env, pipeline_stages=granularity), eval=dc_replace(cfg.eval, episodes=0),
+                         run=dc_replace(cfg.run, eval_every=0, stop_return=None))
+        key = "time/iteration"
+    else:
+        cfg, key = dc_replace(cfg, actor=dc_replace(cfg.actor, micro_batch=granularity)), "time/step"
+    return measured_step_seconds(train(cfg, cluster=cluster).history(), key)
 
 
 def evaluate(path: str | Path, overrides: list[str] | None = None, k: int = 8, limit: int | None = None,
@@ -81,7 +116,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, k: int = 8, l
         from m2flow.flows.embodied import evaluate_checkpoint
 
         return evaluate_checkpoint(p, episodes=episodes, video_dir=video_dir)
-    from m2flow.flows.demo import describe_eval_data, eval_config, evaluate_model
+    from m2flow.demo import describe_eval_data, eval_config, evaluate_model
 
     model, cfg, source = eval_config(str(p), overrides)
     about = {"model": model, "config": source, "data": describe_eval_data(cfg.data, cfg.run.seed),

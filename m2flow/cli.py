@@ -85,7 +85,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
 
 
 def cmd_demo(args) -> int:
-    from m2flow.flows.demo import run_demo
+    from m2flow.demo import run_demo
 
     run_demo(args.overrides)
     return 0
@@ -136,7 +136,7 @@ def cmd_init_model(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from m2flow.flows.profile import profile_command
+    from m2flow.planning.profile import profile_command
 
     print(profile_command(args.config, args.overrides, args.out, args.batches, args.repeats))
     return 0

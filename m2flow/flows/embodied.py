@@ -8,7 +8,6 @@ deterministically.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections import deque
@@ -24,7 +23,7 @@ from m2flow.flows.outputs import RunDir, latest_checkpoint, progress
 from m2flow.runtime import Channel, Cluster, launch_all, running, wait_all
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
-from m2flow.scheduler.plan import make_plan
+from m2flow.scheduler.plan import ExecutionPlan, make_plan
 from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
 from m2flow.workers.env import EnvWorker, make_env_group, video_recorder
 from m2flow.workers.policy import PolicyWorker, make_policy
@@ -41,20 +40,15 @@ PLOTS = {
 }
 
 
-def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
-    """Run up to `cfg.run.steps` iterations (rollout, update, weight sync); returns the last metrics and the run dir."""
-    run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
+def train(cfg: EmbodiedConfig, cluster: Cluster | None = None, plan: ExecutionPlan | None = None) -> dict:
+    """Run up to `cfg.run.steps` iterations (rollout, update, weight sync) under `plan` (default: the one
+    `cluster.placement` names, with `env.pipeline_stages`); returns the last metrics and the run directory.
+    `cluster.placement: auto` is resolved before a flow runs (`m2flow.train`, the `m2flow` command)."""
     cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
-    auto = cfg.cluster.placement == "auto"
-    if auto:  # profile, search placements x env pipeline stages, pick the fastest predicted (docs/planner.md)
-        from m2flow.flows.auto import auto_plan_embodied
-
-        plan, stages = auto_plan_embodied(cfg, cluster, run.path)
-        cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, pipeline_stages=stages))
-    else:
-        stages = cfg.env.pipeline_stages
-        plan = make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, cfg.env.num_envs,
-                         -(-cfg.env.num_envs // stages))
+    stages = cfg.env.pipeline_stages
+    plan = plan or make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, cfg.env.num_envs,
+                             -(-cfg.env.num_envs // stages))
+    run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
     # lockstep on shared devices: no overlap to gain from separate processes, only the hand-overs' Ray hops to save
     cohost = cfg.rollout.cohost and stages == 1 and plan["rollout"].rank_devices == plan["env"].rank_devices
     # and an actor on those devices too: the trajectories and the weights stay in one process (the stages take turns)
@@ -130,10 +124,6 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None) -> dict:
     finally:
         run.close()
         trajectories.destroy()
-    if auto:
-        from m2flow.flows.auto import write_plan_report
-
-        write_plan_report(run.path, "time/iteration")
     result = {"metrics": last, "run_dir": str(run.path), "plan": plan.to_dict(), "iterations": step + 1 - start,
               "checkpoint": str(saved) if saved else None}
     if cfg.eval.episodes and saved:

@@ -22,7 +22,7 @@ from m2flow.flows.outputs import RunDir, idle_metrics, progress
 from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, running, wait_all
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
-from m2flow.scheduler.plan import make_plan
+from m2flow.scheduler.plan import ExecutionPlan, make_plan
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.inference import InferenceWorker
 from m2flow.workers.reward import RewardWorker
@@ -42,19 +42,16 @@ PLOTS = {
 }
 
 
-def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
-    """Run `cfg.run.steps` RL steps; returns the last step's metrics and the run directory."""
+def train(cfg: ReasoningConfig, cluster: Cluster | None = None, plan: ExecutionPlan | None = None) -> dict:
+    """Run `cfg.run.steps` RL steps under `plan` (default: the one `cluster.placement` names); returns the last
+    step's metrics, the run directory, the plan and the final model directory. `cluster.placement: auto` is resolved
+    before a flow runs (`m2flow.train`, the `m2flow` command), which pass the chosen plan."""
+    cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
+    plan = plan or make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS,
+                             cfg.rollout.prompts_per_step * cfg.rollout.n, cfg.actor.micro_batch)
     run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
     model_path = prepare_model(cfg, run.path)
     train_set, test_set = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)
-    cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
-    batch_samples = cfg.rollout.prompts_per_step * cfg.rollout.n
-    if cfg.cluster.placement == "auto":  # profile, search, pick the fastest predicted plan (docs/planner.md)
-        from m2flow.flows.auto import auto_plan
-
-        plan = auto_plan(cfg, cluster, run.path)
-    else:
-        plan = make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, batch_samples, cfg.actor.micro_batch)
     # collocated: one process per rank hosts all four components (stages take turns in it; no process switches)
     cohost = cfg.rollout.cohost and plan.channel_maxsize == 0 and all(
         plan[c].rank_devices == plan["rollout"].rank_devices for c in COMPONENTS)
@@ -178,10 +175,6 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None) -> dict:
         run.close()
         for ch in (c for slot in slots for c in slot):
             ch.destroy()
-    if cfg.cluster.placement == "auto":
-        from m2flow.flows.auto import write_plan_report
-
-        write_plan_report(run.path)
     return {"metrics": last, "run_dir": str(run.path), "plan": plan.to_dict(),
             "final_model": str(run.path / "checkpoints" / f"step_{cfg.run.steps}" / "model")}
 

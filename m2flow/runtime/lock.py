@@ -254,6 +254,24 @@ _LEASES: dict[tuple[str, int], _Lease] = {}  # (lock server actor id, device ind
 _LEASES_LOCK = threading.Lock()
 
 
+_SERVERS: dict[str, object] = {}  # node id -> the node's lock server, as this process first reached it
+_SERVERS_LOCK = threading.Lock()
+
+
+def _server_of(node_id: str):
+    """The lock server of `node_id`, created on first use. The handle is kept for the life of the process: Ray ends
+    an actor (not detached) once its creator drops every handle, and one Cluster object made and dropped (a run
+    without a cluster given) would otherwise take the node's locks down under the next. A node id is new with every
+    Ray start, so a handle of an earlier Ray instance is never reused."""
+    with _SERVERS_LOCK:
+        if node_id not in _SERVERS:
+            _SERVERS[node_id] = _LockServer.options(
+                name=f"m2flow/device_locks/{node_id}", namespace="m2flow", get_if_exists=True,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), max_concurrency=1000,
+            ).remote()
+        return _SERVERS[node_id]
+
+
 class DeviceLock:
     """The lock of device `index`. Picklable; every copy talks to the same named actor
     (`m2flow/device_locks/{node_id}` in namespace `m2flow`), so pass it to workers as an argument.
@@ -264,11 +282,7 @@ class DeviceLock:
 
     def __init__(self, index: int, node_id: str | None = None):
         self.index = index
-        node_id = node_id or ray.get_runtime_context().get_node_id()
-        self._server = _LockServer.options(
-            name=f"m2flow/device_locks/{node_id}", namespace="m2flow", get_if_exists=True,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), max_concurrency=1000,
-        ).remote()
+        self._server = _server_of(node_id or ray.get_runtime_context().get_node_id())
 
     @property
     def _lease(self) -> _Lease:

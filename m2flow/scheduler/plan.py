@@ -1,6 +1,7 @@
 """Execution plans: placement + granularity + offload flags, as plain data saved next to a run.
 
-A plan is chosen by config (or, later, by the planner from profiles); this module never runs anything.
+A plan is named by the config (`make_plan`) or chosen from profiles by auto mode (`m2flow/planning/auto.py`); this
+module never runs anything.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def make_plan(placement_spec, num_devices: int, components: list[str], batch_sam
               micro_batch: int, offload: bool = False) -> ExecutionPlan:
     """The plan the config asks for: whole-batch granularity when every component shares the same
     devices (they take turns anyway), micro-batches with bounded channels otherwise."""
+    if placement_spec == "auto":
+        raise ValueError("cluster.placement: auto is resolved before a flow runs: use m2flow.train(...) or the m2flow "
+                         "command, or pass the flow's train() the ExecutionPlan m2flow.planning.auto chose")
     placement = parse_placement(placement_spec, num_devices, components)
     if placement.mode == "collocated":
         return ExecutionPlan(placement, batch_samples, 0, offload)

@@ -10,8 +10,8 @@ import pytest
 from auto_check import auto_outputs, check_auto_choice
 
 from m2flow import config as C
-from m2flow.flows.auto import flow_plans, measure_plan
-from m2flow.flows.reasoning import train
+from m2flow.api import measure_plan, train
+from m2flow.planning.auto import flow_plans
 from m2flow.runtime import parse_placement
 from m2flow.scheduler.profile import Profile
 
@@ -43,7 +43,7 @@ def test_auto_picks_the_plan_it_predicts_fastest_and_every_plan_runs(cluster, tm
     cfg = make_cfg(tmp_path)
     run = tmp_path / "auto"
     start = time.perf_counter()
-    train(cfg, cluster)  # placement: auto -> profile, plan, train the chosen plan, report
+    train(cfg, cluster=cluster)  # placement: auto -> profile, plan, train the chosen plan, report
     print(f"\nauto mode (profile + plan + {STEPS} steps): {time.perf_counter() - start:.0f} s")
 
     profile = Profile.load(run / "profile.json")
@@ -58,7 +58,7 @@ def test_auto_picks_the_plan_it_predicts_fastest_and_every_plan_runs(cluster, tm
 
     def measure(c, i):
         t = time.perf_counter()
-        seconds = measure_plan(cfg, cluster, c["placement_spec"], c["micro_batch"], tmp_path / f"plan{i}", STEPS)
+        seconds = measure_plan(cfg, c["placement_spec"], c["micro_batch"], tmp_path / f"plan{i}", STEPS, cluster)
         print(f"{c['placement_spec']}: {seconds:.3f} s/step ({time.perf_counter() - t:.0f} s to run)", flush=True)
         return seconds
 

@@ -9,8 +9,7 @@ import pytest
 from auto_check import auto_outputs, check_auto_choice
 
 from m2flow import config as C
-from m2flow.flows.auto import measure_embodied_plan
-from m2flow.flows.embodied import train
+from m2flow.api import measure_plan, train
 from m2flow.runtime import parse_placement
 from m2flow.scheduler.profile import Profile
 
@@ -30,7 +29,7 @@ def test_embodied_auto_picks_the_plan_it_predicts_fastest_and_every_plan_runs(cl
     cfg = make_cfg(tmp_path)
     run = tmp_path / "auto"
     start = time.perf_counter()
-    train(cfg, cluster)  # placement: auto -> profile, plan, train the chosen plan, report
+    train(cfg, cluster=cluster)  # placement: auto -> profile, plan, train the chosen plan, report
     print(f"\nauto mode (profile + plan + {STEPS} iterations): {time.perf_counter() - start:.0f} s")
 
     profile = Profile.load(run / "profile.json")
@@ -47,8 +46,7 @@ def test_embodied_auto_picks_the_plan_it_predicts_fastest_and_every_plan_runs(cl
 
     def measure(c, i):
         t = time.perf_counter()
-        seconds = measure_embodied_plan(cfg, cluster, c["placement_spec"], c["pipeline_stages"], tmp_path / f"plan{i}",
-                                        STEPS)
+        seconds = measure_plan(cfg, c["placement_spec"], c["pipeline_stages"], tmp_path / f"plan{i}", STEPS, cluster)
         print(f"{c['placement_spec']} ({c['pipeline_stages']} stages): {seconds:.3f} s/iteration "
               f"({time.perf_counter() - t:.0f} s to run)", flush=True)
         return seconds

@@ -4,7 +4,7 @@ table and the last line."""
 import json
 import re
 
-from m2flow.flows.demo import run_demo
+from m2flow.demo import run_demo
 
 
 def test_demo_shows_the_curve_the_table_and_the_last_line(cluster, tmp_path, capsys):

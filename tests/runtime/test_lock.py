@@ -147,3 +147,30 @@ def test_a_process_keeps_the_device_between_its_owners_turns_until_another_proce
     assert server_holder() == "p/3"
     lock.release("p/3")
     c.work(1, 0).wait(timeout=10)  # an idle hold goes back at once
+
+
+DROPPED_CLUSTER = '''
+import gc, sys, time
+from m2flow.runtime import Cluster
+
+kept = Cluster(cpu_devices=2)                  # starts Ray
+dropped = Cluster(cpu_devices=2)               # a second Cluster on the same Ray (m2flow.train without a cluster)
+dropped.device_lock(0)                         # the first to reach the node's lock server creates it
+lock = kept.device_lock(0)                     # the next finds it by name
+del dropped
+gc.collect()
+time.sleep(3)                                  # Ray ends an actor whose creating handles are all gone
+assert lock.acquire("b", timeout=30), "lock not acquired"
+lock.release("b")
+print("LOCK OK")
+kept.shutdown()
+'''
+
+
+def test_dropping_a_cluster_object_leaves_the_device_locks_working(tmp_path):
+    """A Cluster made and dropped in the driver (a run without a cluster given) must not take the node's lock server
+    down under the next run: it once died "because all references to the actor were removed"."""
+    from own_ray import run_script
+
+    code, out = run_script(DROPPED_CLUSTER, tmp_path, timeout=180)
+    assert code == 0 and "LOCK OK" in out, out[-3000:]

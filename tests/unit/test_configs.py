@@ -20,6 +20,22 @@ def test_a_flows_defaults_build_a_plan_on_one_machine(flow):
         assert all(len(plan[c].rank_devices) == 1 for c in components)
 
 
+@pytest.mark.parametrize("flow", sorted(FLOWS))
+def test_a_flow_called_with_placement_auto_names_the_api(flow, tmp_path):
+    """Auto mode is resolved above the flows (m2flow.train -> planning.auto -> flow.train(cfg, cluster, plan)): a flow
+    called directly without a plan refuses before it starts anything or writes its run directory."""
+    cls, _ = FLOWS[flow]
+    cfg = C.load(cls, None, [f"run.dir={tmp_path}", "run.name=r", "cluster.placement=auto"])
+    module = reasoning if flow == "reasoning" else embodied
+
+    class NoCluster:  # the plan is checked before any worker is launched
+        num_devices = 2
+
+    with pytest.raises(ValueError, match=r"cluster.placement: auto is resolved before a flow runs: use m2flow.train"):
+        module.train(cfg, NoCluster())
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("preset", sorted(p.stem for p in C.CONFIG_DIR.glob("*.yaml")))
 def test_every_preset_loads_and_builds_its_plan(preset):
     data = C.read_yaml(C.resolve_path(preset))

@@ -14,12 +14,15 @@ FORBIDDEN = {
     "engines": {"runtime", "workers", "flows", "scheduler", "cli"},
     "workloads": {"runtime", "workers", "flows", "scheduler", "cli"},
     "scheduler": {"workers", "flows", "cli", "engines", "workloads"},
-    "workers": {"flows", "cli"},
-    "flows": {"cli"},
+    "workers": {"flows", "planning", "cli", "api", "demo"},
+    "planning": {"flows", "cli", "api", "demo"},  # chooses the plan with workers and the scheduler; runs no flow
+    "flows": {"planning", "cli", "api", "demo"},  # a flow gets its plan handed in (cli / api -> plan -> flow)
 }
+FLOW_HELPERS = {"outputs"}  # flows/ modules that are not flows: what every flow may import
 
 
-def m2flow_imports(path: Path) -> set[str]:
+def m2flow_imports(path: Path, depth: int = 1) -> set[str]:
+    """The m2flow modules `path` imports, named to `depth` parts below m2flow (1: `flows`; 2: `flows.reasoning`)."""
     tree = ast.parse(path.read_text())
     pkg = path.relative_to(ROOT).parts
     out = set()
@@ -38,7 +41,7 @@ def m2flow_imports(path: Path) -> set[str]:
         for name in names:
             parts = name.split(".")
             if parts[0] == "m2flow" and len(parts) > 1:
-                out.add(parts[1])
+                out.add(".".join(parts[1 : 1 + depth]))
     return out
 
 
@@ -50,6 +53,18 @@ def test_imports_point_downward_only():
         for target in m2flow_imports(path) & FORBIDDEN.get(layer, set()):
             bad.append(f"{'/'.join(rel)} imports m2flow.{target}")
     assert not bad, "layering violations:\n" + "\n".join(bad)
+
+
+def test_no_flow_imports_another_flow():
+    """The flows share helpers below them (workers/sync.py, workloads/reasoning/warm_start.py) or flows/outputs.py,
+    never each other."""
+    bad = []
+    for path in (ROOT / "flows").glob("*.py"):
+        for target in m2flow_imports(path, depth=2):
+            package, _, name = target.partition(".")
+            if package == "flows" and name not in FLOW_HELPERS | {"", path.stem}:
+                bad.append(f"flows/{path.name} imports m2flow.{target}")
+    assert not bad, "\n".join(bad)
 
 
 def test_checker_sees_relative_imports(tmp_path):

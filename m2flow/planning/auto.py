@@ -1,7 +1,8 @@
-"""Auto mode (`cluster.placement: auto`) for the reasoning and embodied flows: profile the flow (or reuse
-`run_dir/profile.json`), search the plans this flow can run on the cluster, write the candidates, and return the
-fastest as an ExecutionPlan; after training, `write_plan_report` puts the predicted beside the measured step time.
-It does not train (`measure_plan` runs a flow for the benchmark and the tests).
+"""Auto mode (`cluster.placement: auto`) for the reasoning and embodied flows: profile the flow's components with
+the real workers (or reuse `run_dir/profile.json`), search the plans this flow can run on the cluster, write the
+candidates, and return the fastest as an ExecutionPlan; after training, `write_plan_report` puts the predicted beside
+the measured step time. The API and the `m2flow` command call it before a flow runs and hand the plan to the flow's
+`train`; it never imports a flow and never trains (`m2flow.api.measure_plan` times a plan by training it).
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ import json
 import statistics
 from pathlib import Path
 
+from m2flow.config import EmbodiedConfig
+from m2flow.planning.profile import profile_reasoning
+from m2flow.planning.profile_embodied import profile_embodied
 from m2flow.runtime import Cluster
+from m2flow.scheduler.embodied import COMPONENTS as EMBODIED
+from m2flow.scheduler.embodied import embodied_plans
 from m2flow.scheduler.plan import ExecutionPlan, make_plan
 from m2flow.scheduler.profile import Profile
 from m2flow.scheduler.search import Candidate, SearchResult, search
@@ -71,8 +77,6 @@ def auto_plan(cfg, cluster: Cluster, run_dir: str | Path) -> AutoPlan:
     """Profile (or reuse `run_dir/profile.json`), search for `cluster.num_devices`, write `plan_candidates.txt` (the
     top of the table) and `plan_search.json` (every candidate) into `run_dir`, and return the fastest plan the flow
     can run."""
-    from m2flow.flows.profile import profile_reasoning
-
     run_dir = Path(run_dir)
     batch = cfg.rollout.prompts_per_step * cfg.rollout.n
     path, profile = _profile(run_dir, "reasoning", COMPONENTS,
@@ -87,10 +91,6 @@ def auto_plan_embodied(cfg, cluster: Cluster, run_dir: str | Path) -> tuple[Auto
     """Auto mode for the embodied flow: profile (or reuse `run_dir/profile.json`), search every placement of env,
     rollout and actor x env pipeline stages the flow can run on `cluster.num_devices`, write `plan_candidates.txt`
     and `plan_search.json`, and return the fastest plan and its env pipeline stages."""
-    from m2flow.flows.profile_embodied import profile_embodied
-    from m2flow.scheduler.embodied import COMPONENTS as EMBODIED
-    from m2flow.scheduler.embodied import embodied_plans
-
     run_dir = Path(run_dir)
     num_envs = cfg.env.num_envs
     path, profile = _profile(run_dir, "embodied", list(EMBODIED),
@@ -103,6 +103,15 @@ def auto_plan_embodied(cfg, cluster: Cluster, run_dir: str | Path) -> tuple[Auto
     plan = AutoPlan(base.placement, base.micro_batch, base.channel_maxsize, base.offload, best.seconds,
                     {label: round(s, 6) for label, s in best.prediction.parts})
     return plan, best.env_stages
+
+
+def choose_plan(cfg, cluster: Cluster, run_dir: str | Path):
+    """Auto mode for either flow: `(cfg, plan)`, the config carrying the env pipeline stages the plan was chosen with
+    (embodied; the reasoning config is returned as is). What `m2flow.train` calls before the flow runs."""
+    if isinstance(cfg, EmbodiedConfig):
+        plan, stages = auto_plan_embodied(cfg, cluster, run_dir)
+        return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, pipeline_stages=stages)), plan
+    return cfg, auto_plan(cfg, cluster, run_dir)
 
 
 def _profile(run_dir: Path, flow: str, components: list[str], make) -> tuple[Path, Profile]:
@@ -158,36 +167,3 @@ def write_plan_report(run_dir: str | Path, key: str = "time/step") -> dict:
               "steps_measured": max(len(metrics) - 1, 1), "error": round((predicted - measured) / measured, 4)}
     (run_dir / "plan_report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
-
-
-def measure_plan(cfg, cluster: Cluster, spec: str, micro_batch: int, run_dir: str | Path, steps: int = 3) -> float:
-    """Train `steps` steps of the real flow with placement `spec` at `micro_batch` samples per message; returns the
-    measured median step time (first step left out). What the test and benchmarks/plans.py time every plan with."""
-    from m2flow.flows.reasoning import train
-
-    run_dir = Path(run_dir)
-    c = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir.parent), name=run_dir.name,
-                                                         steps=steps, trace=False, progress=False, save_every=0),
-                            cluster=dataclasses.replace(cfg.cluster, placement=spec),
-                            # the flow streams inference -> actor at actor.micro_batch (what plan.micro_batch is)
-                            actor=dataclasses.replace(cfg.actor, micro_batch=micro_batch))
-    train(c, cluster)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return measured_step_seconds(rows)
-
-
-def measure_embodied_plan(cfg, cluster: Cluster, spec: str, stages: int, run_dir: str | Path, steps: int = 3) -> float:
-    """Train `steps` iterations of the embodied flow with placement `spec` and `stages` env pipeline stages; returns
-    the measured median iteration time (first left out)."""
-    from m2flow.flows.embodied import train
-
-    run_dir = Path(run_dir)
-    c = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir.parent), name=run_dir.name,
-                                                         steps=steps, trace=False, progress=False, save_every=0,
-                                                         eval_every=0, stop_return=None),
-                            cluster=dataclasses.replace(cfg.cluster, placement=spec),
-                            env=dataclasses.replace(cfg.env, pipeline_stages=stages),
-                            eval=dataclasses.replace(cfg.eval, episodes=0))
-    train(c, cluster)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return measured_step_seconds(rows, "time/iteration")

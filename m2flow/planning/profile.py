@@ -2,7 +2,7 @@
 (one process spanning both), at a few batch sizes, and writes the profile table the planner reads (docs/planner.md).
 
 Inputs are real: real prompts through the real rollout, whose groups are scored, turned into logprob batches and
-trained on by the real workers, through Channels. It measures; it does not plan (`flows/auto.py` does).
+trained on by the real workers, through Channels. It measures; it does not plan (`planning/auto.py` does).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from m2flow.workers.common import END, drain
 from m2flow.workers.inference import InferenceWorker
 from m2flow.workers.reward import RewardWorker
 from m2flow.workers.rollout import RolloutWorker
+from m2flow.workers.sync import sync_weights
 from m2flow.workloads.reasoning.tasks import build_datasets
+from m2flow.workloads.reasoning.warm_start import prepare_model
 
 COMPONENTS = ("rollout", "reward", "inference", "actor")
 BURST_SHARE = 0.5  # rollout "does not stream" when its first output came after this share of its work
@@ -153,9 +155,6 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
     `batches`: samples per call (whole prompt groups; default `default_batches`); `devices`: device counts to run
     each component on (default 1 and 2 where the cluster has 2): 1 = `comp: 0`, d = one rank over devices 0..d-1.
     Each row is the median of `repeats` calls after a warm-up call."""
-    from m2flow.workers.sync import sync_weights
-    from m2flow.workloads.reasoning.warm_start import prepare_model
-
     run_dir = Path(run_dir or cfg.run.path)
     out_path = Path(out_path or run_dir / "profile.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -385,7 +384,7 @@ def profile_command(config: str, overrides: list[str], out: str | None = None, b
         sizes = [int(s) for s in batches.split(",")] if batches else None
         start = time.perf_counter()
         if flow == "embodied":  # batches are env counts
-            from m2flow.flows.profile_embodied import profile_embodied
+            from m2flow.planning.profile_embodied import profile_embodied
 
             p = profile_embodied(cfg, cluster, sizes, out, repeats=repeats)
         else:

@@ -1,5 +1,6 @@
-"""The main job (`make demo`): a tiny model, an SFT warm start on synthetic arithmetic, then GRPO;
-held-out accuracy before and after. Also the in-process evaluation behind `m2flow eval`.
+"""The main job (`make demo`): a tiny model, an SFT warm start on synthetic arithmetic, then GRPO through the API;
+held-out accuracy before and after. Also the in-process evaluation behind `m2flow eval`. It sits beside the API
+and the CLI, above the flows: it runs a flow, no flow imports it.
 """
 
 from __future__ import annotations
@@ -8,9 +9,9 @@ import time
 from pathlib import Path
 
 from m2flow import config as C
+from m2flow.api import train
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.flows.outputs import latest_checkpoint
-from m2flow.flows.reasoning import train
 from m2flow.workloads.reasoning.evaluate import evaluate
 from m2flow.workloads.reasoning.tasks import build_datasets, reward_name, reward_timeout
 from m2flow.workloads.reasoning.warm_start import prepare_model
@@ -76,11 +77,11 @@ def run_demo(overrides: list[str] | None = None, cluster=None) -> dict:
     every = f", held-out pass@1 every {cfg.run.eval_every} steps" if cfg.run.eval_every else ""
     print(f"[m2flow demo] 2/3 GRPO, {cfg.run.steps} steps, placement '{cfg.cluster.placement}'{every}")
     t1 = time.perf_counter()
-    result = train(cfg, cluster)
+    result = train(cfg, cluster=cluster)
     grpo_seconds = time.perf_counter() - t1
     print("[m2flow demo] 3/3 held-out evaluation of the trained policy")
-    after = evaluate_model(result["final_model"], cfg)
-    run = Path(result["run_dir"])
+    after = evaluate_model(str(result.final_model), cfg)
+    run = result.run_dir
     print(f"[m2flow demo]     held-out after GRPO: pass@1 {after['pass@1']:.1%}, pass@8 {after['pass@8']:.1%}")
     print(f"[m2flow demo] curves: {run / 'plots'} (held-out accuracy: heldout_accuracy.png)  tensorboard: {run / 'tb'}  "
           f"trace: {run / 'trace.json'} (open in https://ui.perfetto.dev)  metrics: {run / 'metrics.jsonl'}")

@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from m2flow.flows.profile import _Probe, median_rows
+from m2flow.planning.profile import _Probe, median_rows
 from m2flow.runtime import Channel, Cluster, parse_placement, running
 from m2flow.scheduler.profile import (
     ComponentInfo,
@@ -30,6 +30,7 @@ from m2flow.scheduler.profile import (
 from m2flow.workers.embodied_actor import EmbodiedActorWorker
 from m2flow.workers.env import EnvWorker
 from m2flow.workers.policy import PolicyWorker
+from m2flow.workers.sync import sync_weights
 
 COMPONENTS = ("env", "rollout", "actor")
 STAGES = (1, 2, 4)  # env pipeline stages the planner considers: rows at num_envs / S envs
@@ -70,8 +71,6 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
     cluster has 2): d = `env,rollout,actor: 0-(d-1)`, one worker of each per device (env worker r in lockstep with
     policy worker r; the actor ranks data-parallel). Each row is the median of `repeats` rollouts (or updates) after
     a warm-up rollout."""
-    from m2flow.workers.sync import sync_weights
-
     run_dir = Path(run_dir or cfg.run.path)
     out_path = Path(out_path or run_dir / "profile.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
