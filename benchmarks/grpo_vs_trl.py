@@ -86,7 +86,8 @@ BASE = {
 def make_cfg(args, out: Path, name: str, extra: list[str] = ()) -> C.ReasoningConfig:
     """The shared config: BASE with this run's sizes (every system reads its settings from it)."""
     overrides = [f"model.tiny_hidden={args.hidden}", f"model.tiny_layers={args.layers}",
-        f"run.dir={out}", f"run.name={name}", f"run.steps={args.steps}", f"run.seed={args.seed}", "run.save_every=0",
+        f"run.dir={out}", f"run.name={name}", "run.overwrite=true", f"run.steps={args.steps}", f"run.seed={args.seed}",
+        "run.save_every=0",
         "run.progress=false", "run.trace=false", f"sft.steps={args.sft_steps}",
         f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"actor.lr={args.lr}", f"actor.micro_batch={args.micro_batch}", f"algorithm.kl_coef={args.kl_coef}",

@@ -41,8 +41,12 @@ def main() -> None:
 
     embodied = args.flow == "embodied"
     out = Path(args.out or ("runs/bench_plans_embodied" if embodied else "runs/bench_plans"))
-    if args.fresh:
-        shutil.rmtree(out / "auto", ignore_errors=True)
+    profile = out / "auto" / "profile.json"
+    kept = profile.read_bytes() if profile.exists() and not args.fresh else None
+    shutil.rmtree(out / "auto", ignore_errors=True)  # the last benchmark's run, less its profile unless --fresh
+    if kept:
+        profile.parent.mkdir(parents=True)
+        profile.write_bytes(kept)
     common = [f"run.dir={out}", "run.name=auto", "run.progress=false", "run.trace=false", f"run.steps={args.steps}",
               "cluster.placement=auto"]
     if embodied:

@@ -137,7 +137,7 @@ def throughput(cfg, cluster, iters: int, rounds: int) -> dict[str, float]:
     there)."""
     best = {"m2flow": 0.0, "m2flow hybrid": 0.0, "SB3 1 thread": 0.0, "SB3 2 threads": 0.0}
     for r in range(rounds):
-        base = [f"run.steps={iters}", "run.stop_return=null", "run.trace=false", "eval.episodes=0"]
+        base = [f"run.steps={iters}", "run.stop_return=null", "run.trace=false", "eval.episodes=0", "run.overwrite=true"]
         for name, extra in (("m2flow", []), ("m2flow hybrid", HYBRID)):
             tag = "_hybrid" if extra else ""
             c = C.load(C.EmbodiedConfig, C.to_dict(cfg), base + extra + [f"run.name={cfg.run.name}{tag}_tp{r}"])
@@ -232,7 +232,8 @@ def main() -> None:
     for env_id in args.env_ids:
         preset, threshold = PRESETS[env_id]
         tag = "" if args.seed is None else f"_seed{args.seed}"
-        over = [f"run.dir={args.out}", f"run.name=vs_sb3_{env_id}{tag}", "run.progress=false", "eval.episodes=0",
+        over = [f"run.dir={args.out}", f"run.name=vs_sb3_{env_id}{tag}", "run.overwrite=true", "run.progress=false",
+                "eval.episodes=0",
                 "run.save_every=0", "run.stop_return=null"] + ([] if args.seed is None else [f"run.seed={args.seed}"])
         if env_id == "CartPole-v1" and args.cartpole == "sb3":
             over += SB3_DEFAULTS + ["run.steps=49"]  # 49 x 8 x 256 = 100k env steps

@@ -59,22 +59,26 @@ def train(config: Any, overrides: list[str] | None = None, cluster=None) -> Trai
     run's components (profile.json, plan_candidates.txt and, after training, plan_report.json in the run directory)."""
     from m2flow import config as C
     from m2flow.flows import embodied, reasoning
+    from m2flow.flows.outputs import run_dir_claimed
     from m2flow.runtime import Cluster
 
     cfg = load_config(config, overrides)
-    cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
     auto = cfg.cluster.placement == "auto"
-    plan = None  # the flow makes the plan the placement names
-    if auto:
-        from m2flow.planning.auto import choose_plan
-
-        cfg, plan = choose_plan(cfg, cluster, cfg.run.path)
     reasoning_run = isinstance(cfg, C.ReasoningConfig)
-    out = (reasoning if reasoning_run else embodied).train(cfg, cluster, plan)
-    if auto:
-        from m2flow.planning.auto import write_plan_report
+    # the run directory first: a run already there is refused (or resumed, or removed) before anything starts
+    with run_dir_claimed(cfg.run.path, cfg.run.resume, cfg.run.overwrite):
+        cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices,
+                                     reuse_processes=cfg.cluster.reuse_processes)
+        plan = None  # the flow makes the plan the placement names
+        if auto:
+            from m2flow.planning.auto import choose_plan
 
-        write_plan_report(out["run_dir"], "time/step" if reasoning_run else "time/iteration")
+            cfg, plan = choose_plan(cfg, cluster, cfg.run.path)
+        out = (reasoning if reasoning_run else embodied).train(cfg, cluster, plan)
+        if auto:
+            from m2flow.planning.auto import write_plan_report
+
+            write_plan_report(out["run_dir"], "time/step" if reasoning_run else "time/iteration")
     if reasoning_run:
         return TrainResult("reasoning", Path(out["run_dir"]), out["metrics"], out["plan"], Path(out["final_model"]), cfg)
     final = Path(out["checkpoint"]) if out.get("checkpoint") else None
@@ -85,15 +89,15 @@ def measure_plan(config: Any, placement: str, granularity: int, run_dir: str | P
                  cluster=None) -> float:
     """Time one plan by training it: `steps` steps (embodied: iterations) of the config's flow with placement
     `placement` at `granularity` (reasoning: samples per message, `actor.micro_batch`; embodied: env pipeline
-    stages), in `run_dir`; returns the median step time, the first step left out. What benchmarks/plans.py and
-    the auto-mode tests put beside the planner's predictions."""
+    stages), in `run_dir` (a run already there is replaced); returns the median step time, the first step left
+    out. What benchmarks/plans.py and the auto-mode tests put beside the planner's predictions."""
     from m2flow import config as C
     from m2flow.planning.auto import measured_step_seconds
 
     cfg = load_config(config)
     run_dir = Path(run_dir)
     cfg = dc_replace(cfg, run=dc_replace(cfg.run, dir=str(run_dir.parent), name=run_dir.name, steps=steps, trace=False,
-                                         progress=False, save_every=0),
+                                         progress=False, save_every=0, resume=False, overwrite=True),
                      cluster=dc_replace(cfg.cluster, placement=placement))
     if isinstance(cfg, C.EmbodiedConfig):  # without evaluation or an early stop
         cfg = dc_replace(cfg, env=dc_replace(cfg.env, pipeline_stages=granularity), eval=dc_replace(cfg.eval, episodes=0),

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(p, argv)
     import torch
 
-    from m2flow.config import ConfigError
+    from m2flow.config import ConfigError, UserError
 
     # The driver's own compute (SFT, eval) is on tiny models: one thread avoids OpenMP spin contention with
     # the worker processes, which pin their own cores and threads.
@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
-    except ConfigError as err:
-        print(f"m2flow: config error: {err}", file=sys.stderr)
+    except UserError as err:  # config fields, run directories: one line naming what to change
+        print(f"m2flow: {'config error' if isinstance(err, ConfigError) else 'error'}: {err}", file=sys.stderr)
         return 2
 
 

@@ -20,7 +20,12 @@ import yaml
 CONFIG_DIR = Path(str(importlib.resources.files("m2flow") / "configs"))  # the presets: package data (configs/ links here)
 
 
-class ConfigError(ValueError):
+class UserError(ValueError):
+    """Something the user gave is wrong or in the way (a file, a directory, a value): the message names it, says what
+    was expected and how to go on. The `m2flow` command prints it as one line and exits with code 2."""
+
+
+class ConfigError(UserError):
     """A config value or key is wrong; the message names the dotted field and what was expected."""
 
 
@@ -66,6 +71,9 @@ class RunConfig:
     eval_every: int = opt(0, "evaluate on the held-out split every N steps (reasoning: greedy pass@1 from step 0 on, "
                                 "eval/pass@1; embodied: eval.episodes, eval/return_mean); 0: off")
     resume: bool = opt(False, "continue from the newest checkpoint in the run directory")
+    overwrite: bool = opt(False, "start over in a run directory that holds a run: remove everything in it first "
+                                 "(metrics, checkpoints, plots, warm-start model, profile); without it such a "
+                                 "directory is refused unless run.resume")
     trace: bool = opt(True, "write trace.json and plots/timeline.png")
     progress: bool = opt(True, "show a progress bar")
 
@@ -73,6 +81,9 @@ class RunConfig:
         for name in ("steps", "save_every", "eval_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
+        if self.resume and self.overwrite:
+            raise ConfigError(f"{where}.resume and {where}.overwrite are both true: continue the run (resume) or "
+                              f"remove it and start over (overwrite), not both")
 
     @property
     def path(self) -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 from m2flow import config as C
 from m2flow.api import train
 from m2flow.engines.hf import load_model, load_tokenizer
-from m2flow.flows.outputs import latest_checkpoint
+from m2flow.flows.outputs import holds_run, latest_checkpoint, run_dir_claimed
 from m2flow.workloads.reasoning.evaluate import evaluate
 from m2flow.workloads.reasoning.tasks import build_datasets, reward_name, reward_timeout
 from m2flow.workloads.reasoning.warm_start import prepare_model
@@ -68,16 +68,19 @@ def run_demo(overrides: list[str] | None = None, cluster=None) -> dict:
     evaluation again, a summary table and the line `held-out accuracy: BEFORE% -> AFTER%`."""
     cfg = C.load(C.ReasoningConfig, "demo", overrides)
     t0 = time.perf_counter()
-    print(f"[m2flow demo] run directory: {cfg.run.path}")
-    print(f"[m2flow demo] 1/3 tiny model (hidden {cfg.model.tiny_hidden}, {cfg.model.tiny_layers} layers) + SFT warm "
-          f"start ({cfg.sft.steps} steps) on {cfg.data.digits}-digit arithmetic")
-    start_model = prepare_model(cfg, cfg.run.path)
-    before = evaluate_model(start_model, cfg)
-    print(f"[m2flow demo]     held-out after SFT: pass@1 {before['pass@1']:.1%}, pass@8 {before['pass@8']:.1%}")
-    every = f", held-out pass@1 every {cfg.run.eval_every} steps" if cfg.run.eval_every else ""
-    print(f"[m2flow demo] 2/3 GRPO, {cfg.run.steps} steps, placement '{cfg.cluster.placement}'{every}")
-    t1 = time.perf_counter()
-    result = train(cfg, cluster=cluster)
+    replaced = holds_run(cfg.run.path) if cfg.run.overwrite else ""
+    print(f"[m2flow demo] run directory: {cfg.run.path}" + (f" (the earlier run there, {replaced}, is replaced: "
+                                                            f"run.overwrite)" if replaced else ""))
+    with run_dir_claimed(cfg.run.path, cfg.run.resume, cfg.run.overwrite):  # the warm start and GRPO: one run
+        print(f"[m2flow demo] 1/3 tiny model (hidden {cfg.model.tiny_hidden}, {cfg.model.tiny_layers} layers) + SFT "
+              f"warm start ({cfg.sft.steps} steps) on {cfg.data.digits}-digit arithmetic")
+        start_model = prepare_model(cfg, cfg.run.path)
+        before = evaluate_model(start_model, cfg)
+        print(f"[m2flow demo]     held-out after SFT: pass@1 {before['pass@1']:.1%}, pass@8 {before['pass@8']:.1%}")
+        every = f", held-out pass@1 every {cfg.run.eval_every} steps" if cfg.run.eval_every else ""
+        print(f"[m2flow demo] 2/3 GRPO, {cfg.run.steps} steps, placement '{cfg.cluster.placement}'{every}")
+        t1 = time.perf_counter()
+        result = train(cfg, cluster=cluster)
     grpo_seconds = time.perf_counter() - t1
     print("[m2flow demo] 3/3 held-out evaluation of the trained policy")
     after = evaluate_model(str(result.final_model), cfg)

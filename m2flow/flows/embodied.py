@@ -19,7 +19,7 @@ import yaml
 
 from m2flow import config as C
 from m2flow.config import EmbodiedConfig
-from m2flow.flows.outputs import RunDir, latest_checkpoint, progress
+from m2flow.flows.outputs import RunDir, latest_checkpoint, progress, run_dir_claimed
 from m2flow.runtime import Channel, Cluster, launch_all, running, wait_all
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
@@ -44,6 +44,12 @@ def train(cfg: EmbodiedConfig, cluster: Cluster | None = None, plan: ExecutionPl
     """Run up to `cfg.run.steps` iterations (rollout, update, weight sync) under `plan` (default: the one
     `cluster.placement` names, with `env.pipeline_stages`); returns the last metrics and the run directory.
     `cluster.placement: auto` is resolved before a flow runs (`m2flow.train`, the `m2flow` command)."""
+    with run_dir_claimed(cfg.run.path, cfg.run.resume, cfg.run.overwrite):  # one run at a time; an old run is kept
+        return _train(cfg, cluster, plan)
+
+
+def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | None) -> dict:
+    """The flow, in its claimed run directory."""
     cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
     stages = cfg.env.pipeline_stages
     plan = plan or make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, cfg.env.num_envs,

@@ -4,10 +4,12 @@ checkpoints, trace. Flows call it; it never trains or schedules anything.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -15,8 +17,79 @@ from m2flow import config as C
 from m2flow.runtime.tracer import busy_seconds
 
 
+_HELD: dict[Path, int] = {}  # run directories this process has claimed -> the descriptor holding the lock file
+
+
+def claim_run_dir(path: str | Path, resume: bool = False, overwrite: bool = False) -> bool:
+    """Take `path` for one run of this process: an exclusive lock on `path/.lock` (released with the process, so a
+    crash leaves nothing to clean), then the rule for a directory that already holds a run (metrics or checkpoints):
+    `resume` continues it, `overwrite` removes everything in it first, otherwise it is refused, naming both ways on.
+    Returns False when this process holds it already (the API claims it before planning, the flow again)."""
+    path = Path(path).resolve()
+    if path in _HELD:
+        return False
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise C.UserError(f"run directory {path} is in use by another run (pid {other}); wait for it to end, or "
+                          f"give this run another run.name") from None
+    try:
+        held = holds_run(path)
+        if held and not resume and not overwrite:
+            raise C.UserError(f"run directory {path} already holds a run ({held}); continue it with run.resume=true, "
+                              f"or start over with another run.name, or with run.overwrite=true (removes the old run, "
+                              f"whole)")
+        if overwrite:
+            for child in path.iterdir():
+                if child.name != ".lock":
+                    shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except BaseException:
+        os.close(fd)  # drops the lock
+        raise
+    _HELD[path] = fd
+    return True
+
+
+def release_run_dir(path: str | Path) -> None:
+    """Give up this process's claim on `path` (a no-op if it holds none)."""
+    fd = _HELD.pop(Path(path).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
+@contextmanager
+def run_dir_claimed(path: str | Path, resume: bool = False, overwrite: bool = False):
+    """`claim_run_dir` for the block: what runs before a flow (warm start, profiling) and the flow itself."""
+    took = claim_run_dir(path, resume, overwrite)
+    try:
+        yield Path(path).resolve()
+    finally:
+        if took:
+            release_run_dir(path)
+
+
+def holds_run(path: str | Path) -> str:
+    """What of a run `path` holds, in words ("metrics.jsonl, 2 checkpoints"), or "" if none."""
+    path = Path(path)
+    parts = []
+    metrics = path / "metrics.jsonl"
+    if metrics.exists() and metrics.stat().st_size > 0:
+        parts.append("metrics.jsonl")
+    ckpts = [p for p in (path / "checkpoints").glob("step_*")] if (path / "checkpoints").is_dir() else []
+    if ckpts:
+        parts.append(f"{len(ckpts)} checkpoint{'s' if len(ckpts) > 1 else ''}")
+    return ", ".join(parts)
+
+
 class RunDir:
-    """`runs/NAME/`: a run's outputs. `resume=False` starts fresh files; `resume=True` keeps them."""
+    """`runs/NAME/`: a run's outputs. `resume=False` starts fresh files; `resume=True` keeps them. A flow opens it
+    inside `run_dir_claimed`, which decides whether the directory may be used at all."""
 
     def __init__(self, path: str | Path, cfg, resume: bool = False):
         self.path = Path(path).resolve()  # absolute: worker processes do not share the driver's working directory
@@ -110,6 +183,7 @@ class RunDir:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
 
 
 def latest_checkpoint(run_path: str | Path) -> tuple[int, Path] | None:

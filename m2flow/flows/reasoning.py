@@ -18,7 +18,7 @@ import yaml
 from m2flow import config as C
 from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
-from m2flow.flows.outputs import RunDir, idle_metrics, progress
+from m2flow.flows.outputs import RunDir, idle_metrics, progress, run_dir_claimed
 from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, running, wait_all
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
@@ -46,6 +46,12 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None, plan: ExecutionP
     """Run `cfg.run.steps` RL steps under `plan` (default: the one `cluster.placement` names); returns the last
     step's metrics, the run directory, the plan and the final model directory. `cluster.placement: auto` is resolved
     before a flow runs (`m2flow.train`, the `m2flow` command), which pass the chosen plan."""
+    with run_dir_claimed(cfg.run.path, cfg.run.resume, cfg.run.overwrite):  # one run at a time; an old run is kept
+        return _train(cfg, cluster, plan)
+
+
+def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | None) -> dict:
+    """The flow, in its claimed run directory."""
     cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
     plan = plan or make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS,
                              cfg.rollout.prompts_per_step * cfg.rollout.n, cfg.actor.micro_batch)

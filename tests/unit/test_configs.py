@@ -23,7 +23,7 @@ def test_a_flows_defaults_build_a_plan_on_one_machine(flow):
 @pytest.mark.parametrize("flow", sorted(FLOWS))
 def test_a_flow_called_with_placement_auto_names_the_api(flow, tmp_path):
     """Auto mode is resolved above the flows (m2flow.train -> planning.auto -> flow.train(cfg, cluster, plan)): a flow
-    called directly without a plan refuses before it starts anything or writes its run directory."""
+    called directly without a plan refuses before it starts anything or writes into its run directory."""
     cls, _ = FLOWS[flow]
     cfg = C.load(cls, None, [f"run.dir={tmp_path}", "run.name=r", "cluster.placement=auto"])
     module = reasoning if flow == "reasoning" else embodied
@@ -33,7 +33,7 @@ def test_a_flow_called_with_placement_auto_names_the_api(flow, tmp_path):
 
     with pytest.raises(ValueError, match=r"cluster.placement: auto is resolved before a flow runs: use m2flow.train"):
         module.train(cfg, NoCluster())
-    assert not (tmp_path / "r").exists()
+    assert not (tmp_path / "r" / "config.yaml").exists()
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in C.CONFIG_DIR.glob("*.yaml")))
