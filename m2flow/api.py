@@ -60,9 +60,11 @@ def train(config: Any, overrides: list[str] | None = None, cluster=None) -> Trai
     from m2flow import config as C
     from m2flow.flows import embodied, reasoning
     from m2flow.flows.outputs import run_dir_claimed
+    from m2flow.preflight import preflight
     from m2flow.runtime import Cluster
 
     cfg = load_config(config, overrides)
+    preflight(cfg)  # placement, model, data, reward, env: a mistake found before Ray starts
     auto = cfg.cluster.placement == "auto"
     reasoning_run = isinstance(cfg, C.ReasoningConfig)
     # the run directory first: a run already there is refused (or resumed, or removed) before anything starts

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="m2flow", description="RL training with macro-to-micro flow transformation")
+    p.add_argument("--debug", action="store_true", help="on an error, show the whole Python traceback (also: "
+                                                         "M2FLOW_DEBUG=1)")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="the main job: tiny model, SFT warm start, GRPO, held-out accuracy before -> after")
@@ -60,16 +63,36 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from m2flow.config import ConfigError, UserError
+    from m2flow.runtime.group import WorkerError
 
     # The driver's own compute (SFT, eval) is on tiny models: one thread avoids OpenMP spin contention with
     # the worker processes, which pin their own cores and threads.
     torch.set_num_threads(1)
+    debug = args.debug or os.environ.get("M2FLOW_DEBUG", "") not in ("", "0")
 
     try:
         return COMMANDS[args.command](args)
     except UserError as err:  # config fields, run directories: one line naming what to change
+        if debug:
+            raise
         print(f"m2flow: {'config error' if isinstance(err, ConfigError) else 'error'}: {err}", file=sys.stderr)
         return 2
+    except WorkerError as err:  # a worker failed: which one, what it said, where in its code
+        if debug:
+            raise
+        print(worker_failure(err), file=sys.stderr)
+        return 1
+
+
+def worker_failure(err, lines: int = 6) -> str:
+    """A WorkerError for a person: component and rank, what the worker raised (or how its process died), the last
+    `lines` lines of its own traceback, and how to see all of it."""
+    out = [f"m2flow: {err.component} rank {err.rank} failed: {err.message}"]
+    if err.remote_traceback:
+        tail = err.remote_traceback.rstrip().splitlines()[-lines:]
+        out += ["  the worker's traceback ends:", *(f"    {line}" for line in tail)]
+    out.append("  (the whole traceback: m2flow --debug ..., or M2FLOW_DEBUG=1)")
+    return "\n".join(out)
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

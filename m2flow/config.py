@@ -25,6 +25,10 @@ class UserError(ValueError):
     was expected and how to go on. The `m2flow` command prints it as one line and exits with code 2."""
 
 
+class MissingFileError(UserError, FileNotFoundError):
+    """A file or directory the user named is missing or is not what was expected (also a FileNotFoundError)."""
+
+
 class ConfigError(UserError):
     """A config value or key is wrong; the message names the dotted field and what was expected."""
 
@@ -234,7 +238,8 @@ def read_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
+        where = " ".join(str(e).split())  # one line: the parser's message and its line/column
+        raise ConfigError(f"config file '{path}' is not valid YAML: {where}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping at the top level")
     return data
@@ -390,6 +395,11 @@ class ActorConfig:
                                         "or the whole batch when collocated) is cut into equal parts of at most this "
                                         "many (veRL's dynamic batch size); 0: micro_batch samples per part")
     backend: str = opt("torch", "torch: one rank | fsdp2: sharded over the actor's ranks (FSDP2, gloo/NCCL)")
+    nonfinite: str = opt("stop", "a non-finite (NaN/inf) loss or gradient: stop (the update is not applied; the run "
+                                 "ends with an error naming the component and the first non-finite tensor) | skip "
+                                 "(drop that update, count it in actor/nonfinite_skipped)")
+    max_weight_growth: float = opt(2.0, "stop when one training step multiplies the norm of the weights by more than "
+                                        "this (a learning rate far too high wrecks a model without any NaN); 0: off")
 
     def validate(self, where: str) -> None:
         if self.micro_batch < 1 or self.micro_batch_tokens < 0:
@@ -400,6 +410,7 @@ class ActorConfig:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas) or self.eps <= 0:
             raise ConfigError(f"{where}.betas must be two numbers in [0, 1) and {where}.eps > 0, got {self.betas} "
                               f"and {self.eps}")
+        _validate_nonfinite(self, where)
 
 
 @dataclass
@@ -496,11 +507,15 @@ class EnvConfig:
     image_size: int = opt(64, "side of the pixel observations")
     max_episode_steps: int | None = opt(None, "override the env's time limit (None: the registered one)")
     kwargs: dict = opt({}, "extra keyword arguments for gymnasium.make, e.g. {ctrl_cost_weight: 0.1}")
+    step_timeout_s: float = opt(60.0, "an env step or reset that has not returned after this many seconds stops the "
+                                      "run, naming the env worker (0: no limit)")
 
     def validate(self, where: str) -> None:
         for name in ("num_envs", "pipeline_stages", "seed_groups", "chunk", "image_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.step_timeout_s < 0:
+            raise ConfigError(f"{where}.step_timeout_s must be >= 0, got {self.step_timeout_s}")
         if self.num_envs % self.seed_groups:
             raise ConfigError(f"{where}.seed_groups={self.seed_groups} must divide {where}.num_envs={self.num_envs}")
 
@@ -571,10 +586,22 @@ class EmbodiedActorConfig:
     grad_clip: float = opt(0.5, "max gradient norm")
     compile: bool = opt(False, "torch.compile the minibatch loss (forward + backward): faster small-MLP updates "
                                   "after ~10 s of compiling (inductor needs a C++ compiler)")
+    nonfinite: str = opt("stop", "a non-finite (NaN/inf) loss or gradient: stop (the update is not applied; the run "
+                                 "ends with an error naming the component and the first non-finite tensor) | skip "
+                                 "(drop that update, count it in actor/nonfinite_skipped)")
+    max_weight_growth: float = opt(2.0, "stop when one training step multiplies the norm of the weights by more than "
+                                        "this (a learning rate far too high wrecks a model without any NaN); 0: off")
 
     def validate(self, where: str) -> None:
         if self.epochs < 1 or self.minibatch_size < 1 or self.lr <= 0:
             raise ConfigError(f"{where}: epochs and minibatch_size must be >= 1 and lr > 0")
+        _validate_nonfinite(self, where)
+
+
+def _validate_nonfinite(actor, where: str) -> None:
+    if actor.nonfinite not in ("stop", "skip") or actor.max_weight_growth < 0:
+        raise ConfigError(f"{where}.nonfinite must be stop | skip and {where}.max_weight_growth >= 0, got "
+                          f"'{actor.nonfinite}' and {actor.max_weight_growth}")
 
 
 @dataclass

@@ -20,6 +20,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from m2flow.config import MissingFileError
 from m2flow.engines.base import Generation, GroupCallback, SamplingParams
 
 hf_logging.disable_progress_bar()  # no per-load/save bars in worker logs; m2flow shows its own progress
@@ -168,11 +169,11 @@ def _quiet_progress():
 def _check_model_dir(path: str | Path, need_weights: bool) -> Path:
     p = Path(path)
     if not p.is_dir():
-        raise FileNotFoundError(f"model directory {str(p)!r} does not exist (expected a local HF model directory)")
+        raise MissingFileError(f"model directory {str(p)!r} does not exist (expected a local HF model directory)")
     if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"{str(p)!r} has no config.json (expected a local HF model directory)")
+        raise MissingFileError(f"{str(p)!r} has no config.json (expected a local HF model directory)")
     if need_weights and not any((p / f).is_file() for f in _WEIGHT_FILES):
-        raise FileNotFoundError(f"{str(p)!r} has no weights: expected one of {', '.join(_WEIGHT_FILES)}")
+        raise MissingFileError(f"{str(p)!r} has no weights: expected one of {', '.join(_WEIGHT_FILES)}")
     return p
 
 
@@ -187,9 +188,9 @@ def load_tokenizer(path: str | Path):
     """Load the tokenizer saved in a local model directory (never the hub)."""
     p = Path(path)
     if not p.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {str(p)!r} does not exist (expected a local HF model directory)")
+        raise MissingFileError(f"tokenizer directory {str(p)!r} does not exist (expected a local HF model directory)")
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise FileNotFoundError(f"{str(p)!r} has no tokenizer.json / tokenizer_config.json / tokenizer.model")
+        raise MissingFileError(f"{str(p)!r} has no tokenizer.json / tokenizer_config.json / tokenizer.model")
     return AutoTokenizer.from_pretrained(p, local_files_only=True)
 
 

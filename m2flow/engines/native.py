@@ -51,7 +51,9 @@ def sample_tokens(
     """
     if params.temperature == 0:
         tokens = logits.argmax(-1)
-        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+        logprobs = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+        _check_finite(logprobs)
+        return tokens, logprobs
     z = logits if params.temperature == 1.0 else logits / params.temperature
     logp = z.log_softmax(-1)
     vocab = z.shape[-1]
@@ -69,10 +71,20 @@ def sample_tokens(
         probs = logp.exp()
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
+    _check_finite(total)  # a NaN or +inf logit makes its row's sum NaN (checked on R numbers, not R x V)
     u = torch.rand(total.shape, device=cdf.device, generator=generator, dtype=cdf.dtype) * total
     u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))  # u < total: the first cdf > u has p > 0
     tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _check_finite(per_row: torch.Tensor) -> None:
+    """Stop on rows whose logits held NaN or +inf (seen in a per-row reduction), before they pick a token."""
+    bad = ~torch.isfinite(per_row)
+    if bad.any():
+        raise FloatingPointError(f"the model produced non-finite logits (NaN or inf) in {int(bad.sum())} of "
+                                 f"{per_row.shape[0]} sequences: its weights are not finite or too large (a learning "
+                                 f"rate too high, e.g. actor.lr, or a broken model directory)")
 
 
 class NativeEngine:

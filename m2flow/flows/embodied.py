@@ -25,7 +25,7 @@ from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import ExecutionPlan, make_plan
 from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
-from m2flow.workers.env import EnvWorker, make_env_group, video_recorder
+from m2flow.workers.env import EnvWorker, make_env_group, video_recorder, wait_rollout
 from m2flow.workers.policy import PolicyWorker, make_policy
 from m2flow.workers.sync import sync_weights
 
@@ -91,11 +91,11 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
                 for step in range(start, cfg.run.steps):
                     t0 = time.perf_counter()
                     trace = cfg.run.trace and (step < 2 or (cfg.run.trace_every > 0 and step % cfg.run.trace_every == 0))
-                    env_out, actor_out = wait_all([
+                    env_out, actor_out = wait_rollout([
                         env.call_per_rank("rollout", [(policy_of[r], trajectories, cfg.rollout.steps, step,
                                                        actor.world_size, trace) for r in range(env.world_size)]),
                         actor.train(trajectories, step, env.world_size),
-                    ])
+                    ], env, cfg.env.step_timeout_s, cfg.env.id)  # a hung env step stops the run
                     t1 = time.perf_counter()
                     checked = cfg.rollout.checks_sync(step - start + 1)
                     sync_weights(actor.on([0]), [rollout], checked, local_sync)

@@ -28,8 +28,12 @@ def claim_run_dir(path: str | Path, resume: bool = False, overwrite: bool = Fals
     path = Path(path).resolve()
     if path in _HELD:
         return False
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise C.UserError(f"run directory {path} cannot be written ({e.strerror}); choose another run.dir or "
+                          f"run.name") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -12,7 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
-from m2flow.config import EmbodiedConfig
+from m2flow.config import EmbodiedConfig, UserError
 from m2flow.planning.profile import profile_reasoning
 from m2flow.planning.profile_embodied import profile_embodied
 from m2flow.runtime import Cluster
@@ -120,7 +120,7 @@ def _profile(run_dir: Path, flow: str, components: list[str], make) -> tuple[Pat
     path = run_dir / "profile.json"
     profile = Profile.load(path) if path.exists() else make(path)
     if profile.flow != flow or list(profile.stages) != components:
-        raise ValueError(f"{path}: a profile of the {flow} flow {components} is needed, got {profile.flow} "
+        raise UserError(f"{path}: a profile of the {flow} flow {components} is needed, got {profile.flow} "
                          f"{list(profile.stages)} (delete it to profile again)")
     return path, profile
 

@@ -244,6 +244,30 @@ def _reset_process() -> None:
         pass
 
 
+def _role_title(workers: dict) -> str:
+    """A worker process's title: `m2flow:actor:0`, co-hosted workers joined (`m2flow:rollout:0+reward:0`),
+    `m2flow:idle` for a process kept between runs."""
+    roles = "+".join(f"{w.component}:{w.rank}" for w in list(workers.values()))
+    return f"m2flow:{roles or 'idle'}"
+
+
+def _keep_title(workers: dict) -> None:
+    """Keep the process titled by its role (what `ps` and `top` show): Ray retitles it `ray::_Host...` around every
+    call, so a daemon thread puts the role back twice a second."""
+    try:
+        from ray._raylet import getproctitle, setproctitle
+    except ImportError:  # a Ray without its title functions: the title stays Ray's
+        return
+    while True:
+        try:
+            title = _role_title(workers)
+            if getproctitle() != title:
+                setproctitle(title)
+        except RuntimeError:  # the dict changed while it was read: next time
+            pass
+        time.sleep(0.5)
+
+
 @ray.remote(num_cpus=0, concurrency_groups={"user": 1, "system": 16})
 class _Host:
     """The Ray actor of one rank: binds the process to its devices, then hosts the Worker objects (one per
@@ -253,6 +277,7 @@ class _Host:
         self.base_env = dict(os.environ)
         self.workers: dict[str, Worker] = {}
         self._bind(env, cores, pin)
+        threading.Thread(target=_keep_title, args=(self.workers,), daemon=True, name="m2flow-title").start()
 
     def _bind(self, env: dict[str, str], cores: list[int], pin: bool) -> None:
         import torch

@@ -13,10 +13,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from m2flow.config import UserError
+
 __all__ = ["ProfileError", "Measurement", "ComponentInfo", "Machine", "Transfer", "Weights", "Profile", "load_profile"]
 
 
-class ProfileError(ValueError):
+class ProfileError(UserError):
     """A profile table is malformed; the message names the file and the field, e.g. `p.json: measurements[3].seconds`."""
 
 

@@ -30,6 +30,7 @@ from m2flow.runtime.files import load_plain
 from m2flow.runtime.weights import publish
 from m2flow.types import Batch
 from m2flow.workers.common import drain
+from m2flow.workers.guards import check_weight_growth, first_nonfinite, nonfinite_update, sum_of_squares
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -80,6 +81,8 @@ class ActorWorker(Worker):
         a = self.cfg.actor
         stats: list[tuple[int, dict]] = []
         ages: list[torch.Tensor] = []
+        self.skipped, self.bad_loss = 0, None
+        before = self._weight_norm() if a.max_weight_growth else 0.0
         if a.mini_batches == 1 and a.epochs == 1:
             self.optimizer.zero_grad(set_to_none=True)
             seen = 0
@@ -108,13 +111,17 @@ class ActorWorker(Worker):
                         grad_norm, learned = self._step(n)
                         grad_norms.append(grad_norm)
                         samples += learned
+        if a.max_weight_growth:
+            check_weight_growth(before, self._weight_norm(), a.max_weight_growth, a.lr)
         self.version += 1
         out = weighted_mean(stats)
+        grad_norms = [g for g in grad_norms if math.isfinite(g)] or [0.0]  # a skipped update's is not a figure
         age = torch.cat(ages) if ages else torch.zeros(0, dtype=torch.long)
         fresh = age <= self.cfg.algorithm.max_staleness
         kept = age[fresh]
         out.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": self.scheduler.get_last_lr()[0],
                     "actor/samples": samples, "actor/micro_batches": len(stats), "actor/stale_dropped": int((~fresh).sum()),
+                    "actor/nonfinite_skipped": self.skipped,
                     "actor/staleness_mean": float(kept.float().mean()) if len(kept) else 0.0,
                     "actor/staleness_max": int(kept.max()) if len(kept) else 0})
         return out
@@ -169,6 +176,8 @@ class ActorWorker(Worker):
             micro = micros[i] if i < len(micros) else (micros or [filler])[0].select(slice(0, 1))
             weight = len(micro) if real and i < len(micros) else 0
             loss, m = self._loss(micro)
+            if self.bad_loss is None and not bool(torch.isfinite(loss)):  # named if the gradient turns out non-finite
+                self.bad_loss = f"the loss of micro-batch {i} ({', '.join(f'{k} {v:.4g}' for k, v in m.items())})"
             (loss * weight).backward()
             if weight:
                 seen += weight
@@ -208,10 +217,23 @@ class ActorWorker(Worker):
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.actor.grad_clip)
+        norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.actor.grad_clip)))
+        if not math.isfinite(norm):  # the same global norm on every rank: they all stop, or all skip
+            culprit = self.bad_loss or first_nonfinite((f"the gradient of {n}", p.grad)
+                                                       for n, p in self.model.named_parameters())
+            self.bad_loss = None
+            self.optimizer.zero_grad(set_to_none=True)
+            nonfinite_update(norm, culprit, self.cfg.actor.nonfinite)
+            self.skipped += 1
+            return norm, 0
         self.optimizer.step()
         self.scheduler.step()
-        return float(full_tensor(norm)), total
+        return norm, total
+
+    def _weight_norm(self) -> float:
+        """The 2-norm of all the weights (summed over the shards of a sharded actor)."""
+        squares = sum_of_squares(self.model.parameters())
+        return math.sqrt(all_reduce(squares) if self.sharded else squares)
 
     # -- weights and checkpoints ---------------------------------------------------------------
     def publish_weights(self, check: bool = True, local: bool = False):

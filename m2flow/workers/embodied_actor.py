@@ -8,6 +8,7 @@ the same weights. `actor: 0-1:0` (one process over both devices' cores) avoids t
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from m2flow.algorithms import embodied_grpo_advantages, first_episode_mask, gae,
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.weights import publish
+from m2flow.workers.guards import check_weight_growth, first_nonfinite, nonfinite_update, sum_of_squares
 from m2flow.workers.policy import make_policy
 from m2flow.workloads.embodied import Trajectory
 
@@ -70,7 +72,7 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
     params = [p for p in policy.parameters() if p.requires_grad]
     grads = flat_grads(params)
     size = len(returns)
-    stats, grad_norms, stop = [], [], False
+    stats, grad_norms, stop, skipped = [], [], False, 0
     for _ in range(a.epochs):
         order = torch.randperm(size, generator=gen)
         shuffled = [x[order] for x in data]
@@ -86,6 +88,12 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
             if allreduce is not None:
                 allreduce(grads)
             norm = torch.linalg.vector_norm(grads)  # clip_grad_norm_'s arithmetic on one tensor, not one per param
+            if not bool(torch.isfinite(norm)):  # averaged over the ranks: they all stop, or all skip
+                culprit = "the minibatch loss" if not bool(torch.isfinite(loss)) else first_nonfinite(
+                    (f"the gradient of {n}", q.grad) for n, q in policy.named_parameters())
+                nonfinite_update(float(norm), culprit, a.nonfinite)
+                skipped += 1
+                continue
             grads.mul_((a.grad_clip / (norm + 1e-6)).clamp(max=1.0))
             grad_norms.append(norm)
             optimizer.step()
@@ -95,11 +103,12 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
                 break
         if stop:
             break
-    means = torch.stack(stats).mean(0).tolist()
+    means = torch.stack(stats).mean(0).tolist() if stats else [0.0] * len(STATS)
     out = dict(zip(STATS, means))
     var = returns.var()
     out.update({"actor/explained_var": float(1 - (returns - old_v).var() / var) if var > 0 else 0.0,
-                "actor/grad_norm": float(torch.stack(grad_norms).mean()), "actor/lr": optimizer.param_groups[0]["lr"],
+                "actor/grad_norm": float(torch.stack(grad_norms).mean()) if grad_norms else 0.0,
+                "actor/nonfinite_skipped": skipped, "actor/lr": optimizer.param_groups[0]["lr"],
                 "actor/clip": clip, "actor/updates": len(stats), "actor/early_stop": float(stop),
                 "actor/advantage_mean": float(data[4].mean())})
     return out
@@ -151,9 +160,14 @@ class EmbodiedActorWorker(Worker):
             start = time.perf_counter()
             adv, returns, mask = advantages(traj, self.cfg, scores)
             frac = 1.0 - step / max(self.cfg.run.steps, 1)
+            limit = self.cfg.actor.max_weight_growth
+            before = math.sqrt(sum_of_squares(self.policy.parameters())) if limit else 0.0
             out = ppo_update(self.policy, self.optimizer, traj, adv, returns, mask, self.cfg, frac, self.gen,
                              self.rank, self.world_size, allreduce_grads if self.world_size > 1 else None,
                              self.loss_fn)
+            if limit:
+                check_weight_growth(before, math.sqrt(sum_of_squares(self.policy.parameters())), limit,
+                                    self.cfg.actor.lr)
             out["time/update"] = time.perf_counter() - start
         if scores is not None:
             out["grpo/score_mean"] = float(scores.mean())

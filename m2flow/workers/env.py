@@ -13,6 +13,7 @@ a small policy's step (measured on 2 loaded cores: 1.4 ms vs 8.7 ms). Trajectori
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import gymnasium as gym
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from m2flow.algorithms import first_episode_mask
-from m2flow.runtime import Worker
+from m2flow.runtime import Worker, WorkerError, concurrent, wait_all
 from m2flow.workloads.embodied import EnvGroup, Trajectory, make_env_fns
 
 
@@ -55,6 +56,22 @@ class EnvWorker(Worker):
         self.group = make_env_group(cfg, n, cfg.run.seed + self.lo // e.seed_groups)
         self.stages = self.group.split(e.pipeline_stages)
         self.obs: list[np.ndarray] | None = None  # current obs per stage
+        self.busy_since: float | None = None  # monotonic start of the env step (or reset) under way
+
+    @contextmanager
+    def _in_env(self):
+        """Mark an env step or reset as under way (what `stuck_seconds` reports)."""
+        self.busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.busy_since = None
+
+    @concurrent
+    def stuck_seconds(self) -> float:
+        """How long the env step (or reset) under way has run; 0 between them. Answers while `rollout` runs."""
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def spaces(self):
         return self.group.observation_space, self.group.action_space
@@ -72,7 +89,8 @@ class EnvWorker(Worker):
         so with two stages the policy infers for one while the simulator steps the other (one stage: lockstep)."""
         grpo = self.cfg.algorithm.name == "grpo"
         if self.obs is None or grpo:  # grpo: every iteration starts each group from one shared state
-            obs = self.group.reset(seed=self.reset_seed(step))
+            with self._in_env():
+                obs = self.group.reset(seed=self.reset_seed(step))
             self.obs = [obs[st.env_indices.start:st.env_indices.stop] for st in self.stages]
         chunked = self.cfg_env.chunk > 1
         rows: list[list[dict]] = [[] for _ in self.stages]
@@ -101,7 +119,8 @@ class EnvWorker(Worker):
             for s, st in enumerate(self.stages):
                 reply = answer(s)
                 w, wall = time.perf_counter(), time.time()
-                res = st.step_chunk(reply["actions"]) if chunked else st.step(reply["actions"])
+                with self._in_env():
+                    res = st.step_chunk(reply["actions"]) if chunked else st.step(reply["actions"])
                 timing["env_time"] += time.perf_counter() - w
                 if trace:
                     self.tracer.record(f"env s{s}", wall, time.time(), step)
@@ -173,6 +192,29 @@ class EnvWorker(Worker):
                 raise FileNotFoundError(f"{path}: no normalizer state for env worker {self.rank} (was the checkpoint "
                                         "written with fewer env workers, or without normalization?)")
             self.group.load_state_dict(load_file(str(path)))
+
+
+def wait_rollout(handles: list, env, limit_s: float, env_id: str, poll_s: float = 2.0) -> list:
+    """`wait_all(handles)` while watching the env workers: an env step or reset that has not returned after `limit_s`
+    seconds (`env.step_timeout_s`; 0: no limit) raises a WorkerError naming the env worker, and the flow then kills its
+    groups, the hung process with them: nothing hangs."""
+    if not limit_s:
+        return wait_all(handles)
+    while True:
+        try:
+            return wait_all(handles, timeout=min(poll_s, limit_s))
+        except TimeoutError:
+            pass
+        try:
+            stuck = env.stuck_seconds().wait(timeout=limit_s)
+        except TimeoutError:  # a step that holds the interpreter: the worker cannot even answer
+            raise WorkerError(env.component, 0, f"rollout(): the env workers did not answer for {limit_s:g} s (an "
+                                                f"env step of env.id={env_id} holds the process)") from None
+        for rank, seconds in enumerate(stuck):
+            if seconds > limit_s:
+                raise WorkerError(env.component, rank, f"rollout(): an env step (or reset) of env.id={env_id} has not "
+                                                       f"returned for {seconds:.0f} s (env.step_timeout_s="
+                                                       f"{limit_s:g}); the run stops")
 
 
 def video_recorder(video_dir: str):

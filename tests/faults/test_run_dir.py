@@ -100,3 +100,24 @@ def test_the_cli_refuses_in_one_line_with_exit_code_2_before_ray_starts(tmp_path
 def test_resume_and_overwrite_together_is_a_config_error():
     with pytest.raises(C.ConfigError, match="run.resume and run.overwrite are both true"):
         C.load(C.ReasoningConfig, None, ["run.resume=true", "run.overwrite=true"])
+
+
+def test_a_checkpoint_cut_off_mid_write_is_never_picked(tmp_path):
+    """A crash while checkpoint 4 is written leaves step_4.tmp (and a folder without COMPLETE may be left by hand or
+    by an older version): resume picks step 2, the last complete one."""
+    from m2flow.flows.outputs import RunDir, latest_checkpoint
+
+    run = RunDir(tmp_path / "r", C.load(C.ReasoningConfig))
+    run.save_checkpoint(2, lambda d: (d / "weights").write_text("two"))
+
+    def crash(d):
+        (d / "weights").write_text("four, half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        run.save_checkpoint(4, crash)
+    (tmp_path / "r" / "checkpoints" / "step_6").mkdir()  # no COMPLETE marker
+    step, path = latest_checkpoint(tmp_path / "r")
+    assert step == 2 and (path / "weights").read_text() == "two"
+    assert not (tmp_path / "r" / "checkpoints" / "step_4").exists()
+    run.close()

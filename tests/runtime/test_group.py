@@ -153,6 +153,30 @@ def test_process_is_bound_to_its_device(cluster, calc):
         assert info["pid"] != os.getpid()
 
 
+def title_of(pid: int, want: str, within: float = 5.0) -> str:
+    """The process's title once it is `want` (Ray retitles a process around every call; m2flow puts the role back)."""
+    deadline = time.monotonic() + within
+    while True:
+        title = open(f"/proc/{pid}/cmdline").read().replace("\0", " ").strip()
+        if title == want or time.monotonic() > deadline:
+            return title
+        time.sleep(0.1)
+
+
+def test_worker_processes_are_titled_by_role(cluster, calc):
+    """`ps` and `top` tell the workers apart: m2flow:<component>:<rank>, co-hosted ones joined."""
+    for rank, info in enumerate(calc.info().wait()):
+        assert title_of(info["pid"], f"m2flow:calc:{rank}") == f"m2flow:calc:{rank}"
+    place = parse_placement("asker,calc: 0", cluster.num_devices, ["asker", "calc"])
+    asker = Asker.launch(cluster, place["asker"])
+    try:
+        Keeper.launch(cluster, place["calc"], 5, host_with=asker)
+        pid = asker.pid().wait()[0]
+        assert title_of(pid, "m2flow:asker:0+calc:0") == "m2flow:asker:0+calc:0"
+    finally:
+        asker.kill()
+
+
 def test_remote_exception_names_component_rank_and_traceback(calc):
     with pytest.raises(WorkerError) as err:
         calc.on(1).fail("bad input 42").wait(timeout=30)

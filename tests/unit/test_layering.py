@@ -14,9 +14,9 @@ FORBIDDEN = {
     "engines": {"runtime", "workers", "flows", "scheduler", "cli"},
     "workloads": {"runtime", "workers", "flows", "scheduler", "cli"},
     "scheduler": {"workers", "flows", "cli", "engines", "workloads"},
-    "workers": {"flows", "planning", "cli", "api", "demo"},
-    "planning": {"flows", "cli", "api", "demo"},  # chooses the plan with workers and the scheduler; runs no flow
-    "flows": {"planning", "cli", "api", "demo"},  # a flow gets its plan handed in (cli / api -> plan -> flow)
+    "workers": {"flows", "planning", "cli", "api", "demo", "preflight"},
+    "planning": {"flows", "cli", "api", "demo", "preflight"},  # chooses the plan with workers and the scheduler
+    "flows": {"planning", "cli", "api", "demo", "preflight"},  # a flow gets its plan handed in (api -> plan -> flow)
 }
 FLOW_HELPERS = {"outputs"}  # flows/ modules that are not flows: what every flow may import
 

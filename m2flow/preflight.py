@@ -1,0 +1,118 @@
+"""What can be checked about a run before Ray starts, so that a mistake costs a second and reads as one line: the
+placement against the devices the local cluster will have, the model directory, the data file, the reward function,
+the env id. Each problem raises `m2flow.config.UserError` naming the config field, what it holds and what was
+expected. It starts nothing and writes nothing; the flows check the same things again where they use them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from m2flow import config as C
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def preflight(cfg) -> None:
+    """Raise UserError for the first problem found in `cfg` (a ReasoningConfig or EmbodiedConfig)."""
+    _placement(cfg)
+    if isinstance(cfg, C.EmbodiedConfig):
+        _env_id(cfg.env.id)
+        return
+    _model_dir(cfg.model.path)
+    if cfg.data.task == "file":
+        _data_file(cfg.data)
+    _reward_fn(cfg.reward.fn, cfg.data.task)
+
+
+def local_devices(cpu_devices: int | None) -> int | None:
+    """The devices a local cluster started here will have (its GPUs, else `cpu_devices` or one per core), or None
+    when that depends on a cluster already running (a Ray address given, or Ray already started in this process)."""
+    import ray
+
+    if ray.is_initialized():
+        return None
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable CUDA: a CPU machine
+        gpus = 0
+    return gpus or cpu_devices or len(os.sched_getaffinity(0))
+
+
+def _placement(cfg) -> None:
+    from m2flow.runtime.placement import PlacementError, parse_placement
+
+    spec = cfg.cluster.placement
+    devices = None if cfg.cluster.address else local_devices(cfg.cluster.cpu_devices)
+    if spec == "auto" or devices is None:
+        return
+    components = ["env", "rollout", "actor"] if isinstance(cfg, C.EmbodiedConfig) else [
+        "rollout", "reward", "inference", "actor"]
+    try:
+        parse_placement(spec, devices, components)
+    except PlacementError as e:
+        raise C.UserError(f"cluster.placement: {e} (this machine gives {devices} device(s); cluster.cpu_devices "
+                          f"sets how many CPU devices)") from None
+
+
+def _model_dir(path: str) -> None:
+    if not path:
+        return  # a tiny model is built into the run directory
+    p = Path(path)
+    if not p.is_dir():
+        raise C.UserError(f"model.path: no directory at '{path}' (expected a local HF model directory with "
+                          f"config.json; leave model.path empty for a tiny model)")
+    if not (p / "config.json").is_file():
+        hint = " (a checkpoint? its model is in model/)" if (p / "model" / "config.json").is_file() else ""
+        raise C.UserError(f"model.path: '{path}' has no config.json: not an HF model directory{hint}")
+
+
+def _data_file(data) -> None:
+    from m2flow.workloads.reasoning.data import load_dataset
+
+    p = Path(data.path)
+    if not p.is_file():
+        raise C.UserError(f"data.path: no file at '{data.path}' (expected a {', '.join(DATA_SUFFIXES)} file)")
+    if p.suffix.lower() not in DATA_SUFFIXES:
+        raise C.UserError(f"data.path: '{data.path}' is a {p.suffix or 'suffix-less'} file; expected "
+                          f"{', '.join(DATA_SUFFIXES)}")
+    try:  # read as the flow will: columns present, every record with a prompt and an answer
+        load_dataset(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key)
+    except (ValueError, OSError) as e:
+        raise C.UserError(f"data.path: {' '.join(str(e).split())} (data.prompt_key='{data.prompt_key}', "
+                          f"data.answer_key='{data.answer_key}')") from None
+
+
+def _reward_fn(spec: str, task: str) -> None:
+    from m2flow.workloads.reasoning.rewards import load_reward_fn
+    from m2flow.workloads.reasoning.tasks import reward_name
+
+    try:
+        load_reward_fn(reward_name(spec, task))  # `auto`: the task's own reward
+    except (ValueError, ImportError, AttributeError, TypeError) as e:
+        raise C.UserError(f"reward.fn: {e}") from None
+
+
+def _env_id(env_id: str) -> None:
+    import importlib
+
+    import gymnasium as gym
+
+    from m2flow.workloads.embodied.envs import check_env_id
+
+    if ":" in env_id:
+        module, _, name = env_id.partition(":")
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise C.UserError(f"env.id: '{env_id}': cannot import module '{module}': {e}") from None
+        if name not in gym.registry:
+            raise C.UserError(f"env.id: '{env_id}': module '{module}' registers no env '{name}'")
+        return
+    try:
+        check_env_id(env_id)
+    except ValueError as e:
+        raise C.UserError(f"env.id: {e}") from None

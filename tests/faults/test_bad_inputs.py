@@ -1,0 +1,142 @@
+"""The bad-input table (issue 20, docs/errors.md): each mistake a person can make on the command line gets its own
+message, naming the field or file and what was expected, on one line (argparse's usage errors: the usage, then the
+error), with exit code 2 — and each is found before Ray starts (the cluster is replaced by one that fails)."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from m2flow.cli import main
+from m2flow.runtime import cluster as cluster_module
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
+TINY = ["run.progress=false", "cluster.cpu_devices=2"]
+
+# (name, argv, the start of the message after "m2flow: "); {tmp} is the test's folder
+CASES = [
+    ("unknown preset", ["train", "nosuch"], "config error: no config file or preset named 'nosuch'; presets: "),
+    ("config file missing", ["train", "{tmp}/none.yaml"], "config error: config file '{tmp}/none.yaml' does not exist"),
+    ("config file not YAML", ["train", "{tmp}/broken.yaml"], "config error: config file '{tmp}/broken.yaml' is not "
+                                                             "valid YAML: "),
+    ("config file of no flow", ["train", "{tmp}/badflow.yaml"], "config error: config '{tmp}/badflow.yaml': flow must "
+                                                                "be reasoning | embodied, got 'foo'"),
+    ("unknown field", ["train", "grpo_arithmetic", "actor.lrr=1"], "config error: unknown config field 'actor.lrr' "
+                                                                   "(did you mean 'lr'?)"),
+    ("wrong type", ["train", "grpo_arithmetic", "actor.lr=fast"], "config error: config field 'actor.lr' expects "
+                                                                  "float, got 'fast'"),
+    ("override without =", ["train", "grpo_arithmetic", "actor.lr"], "config error: override 'actor.lr' must look "
+                                                                     "like key.sub=value"),
+    ("negative steps", ["train", "grpo_arithmetic", "run.steps=-1"], "config error: run.steps must be >= 0, got -1"),
+    ("algorithm not built", ["train", "grpo_arithmetic", "algorithm.name=foo"], "config error: algorithm.name: "),
+    ("no samples", ["train", "grpo_arithmetic", "rollout.n=0"], "config error: rollout.n, prompts_per_step and "
+                                                                "max_new_tokens must be >= 1"),
+    ("no CPU devices", ["train", "grpo_arithmetic", "cluster.cpu_devices=0"], "config error: cluster.cpu_devices must "
+                                                                              "be >= 1, got 0"),
+    ("unknown dtype", ["train", "grpo_arithmetic", "model.dtype=float8"], "config error: model.dtype must be "
+                                                                          "'float32' or 'bfloat16', got 'float8'"),
+    ("unknown non-finite policy", ["train", "grpo_arithmetic", "actor.nonfinite=maybe"], "config error: "
+                                                                                         "actor.nonfinite must be stop "
+                                                                                         "| skip"),
+    ("resume and overwrite", ["train", "grpo_arithmetic", "run.resume=true", "run.overwrite=true"],
+     "config error: run.resume and run.overwrite are both true"),
+    ("file task without a file", ["train", "grpo_arithmetic", "data.task=file"], "config error: data.path is required "
+                                                                                 "when data.task=file"),
+    ("no envs", ["train", "ppo_cartpole", "env.num_envs=0"], "config error: env.num_envs must be >= 1, got 0"),
+    ("negative env timeout", ["train", "ppo_cartpole", "env.step_timeout_s=-1"], "config error: env.step_timeout_s "
+                                                                                 "must be >= 0, got -1"),
+    ("placement syntax", ["train", "grpo_arithmetic", "cluster.placement=rollout: 0-; actor: 1", *TINY],
+     "error: cluster.placement: placement 'rollout: 0-; actor: 1': bad devices '0-'"),
+    ("placement device missing", ["train", "grpo_arithmetic", "cluster.placement=rollout: 0; reward,inference,actor: 5",
+                                  *TINY], "error: cluster.placement: placement 'rollout: 0; reward,inference,actor: 5': "
+                                          "device 5 does not exist; the cluster has 2 device(s)"),
+    ("placement leaves a component out", ["train", "grpo_arithmetic", "cluster.placement=rollout: 0", *TINY],
+     "error: cluster.placement: placement 'rollout: 0': component(s) reward, inference, actor have no devices"),
+    ("embodied placement leaves a component out", ["train", "ppo_cartpole", "cluster.placement=env,rollout: 0", *TINY],
+     "error: cluster.placement: placement 'env,rollout: 0': component(s) actor have no devices"),
+    ("model directory missing", ["train", "grpo_arithmetic", "model.path={tmp}/nope", *TINY],
+     "error: model.path: no directory at '{tmp}/nope'"),
+    ("model directory without config.json", ["train", "grpo_arithmetic", "model.path={tmp}/empty", *TINY],
+     "error: model.path: '{tmp}/empty' has no config.json: not an HF model directory"),
+    ("data file missing", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/nope.jsonl", *TINY],
+     "error: data.path: no file at '{tmp}/nope.jsonl'"),
+    ("data file of the wrong type", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/data.txt", *TINY],
+     "error: data.path: '{tmp}/data.txt' is a .txt file; expected .jsonl, .json, .parquet"),
+    ("data file without the columns", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/qa.jsonl",
+                                       *TINY],
+     "error: data.path: {tmp}/qa.jsonl: missing column(s) ['prompt', 'answer']; columns found: ['a', 'q']"),
+    ("empty data file", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/empty.jsonl", *TINY],
+     "error: data.path: {tmp}/empty.jsonl: the dataset is empty"),
+    ("reward module missing", ["train", "grpo_arithmetic", "reward.fn=nosuchmod:fn", *TINY],
+     "error: reward.fn: reward function 'nosuchmod:fn': cannot import module 'nosuchmod'"),
+    ("reward function missing", ["train", "grpo_arithmetic", "reward.fn=os:nosuchfn", *TINY],
+     "error: reward.fn: reward function 'os:nosuchfn': module 'os' has no attribute 'nosuchfn'"),
+    ("reward name unknown", ["train", "grpo_arithmetic", "reward.fn=nosuch", *TINY],
+     "error: reward.fn: reward function 'nosuch': not a built-in"),
+    ("env id misspelt", ["train", "ppo_cartpole", "env.id=CartPol-v1", *TINY],
+     "error: env.id: unknown gymnasium env id 'CartPol-v1'; close matches: CartPole-v1"),
+    ("env module missing", ["train", "ppo_cartpole", "env.id=nosuchmod:Env-v0", *TINY],
+     "error: env.id: 'nosuchmod:Env-v0': cannot import module 'nosuchmod'"),
+    ("run directory holds a run", ["train", "grpo_arithmetic", "run.dir={tmp}", "run.name=old", *TINY],
+     "error: run directory {tmp}/old already holds a run (metrics.jsonl); continue it with run.resume=true"),
+    ("run directory not writable", ["train", "grpo_arithmetic", "run.dir=/proc/m2flow", *TINY],
+     "error: run directory /proc/m2flow/grpo_arithmetic cannot be written"),
+    ("eval of a missing path", ["eval", "{tmp}/nope"], "error: model directory '{tmp}/nope' does not exist"),
+    ("eval of a folder without a model", ["eval", "{tmp}/empty"], "error: '{tmp}/empty' has no config.json"),
+    ("sft from a missing model", ["sft", "{tmp}/nope", "{tmp}/out"], "error: model directory '{tmp}/nope' does not "
+                                                                     "exist"),
+    ("profile file missing", ["plan", "--profile", "{tmp}/nope.json", "--devices", "2"],
+     "error: {tmp}/nope.json: no such profile file"),
+    ("profile file of the wrong shape", ["plan", "--profile", "{tmp}/qa.jsonl", "--devices", "2"],
+     "error: {tmp}/qa.jsonl: "),
+    ("unknown command", ["fly"], "error: argument command: invalid choice: 'fly'"),
+    ("train without a config", ["train"], "train: error: the following arguments are required: config"),
+    ("unknown model architecture", ["init-model", "{tmp}/m", "--arch", "gpt9"],
+     "init-model: error: argument --arch: invalid choice: 'gpt9'"),
+]
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    (tmp_path / "broken.yaml").write_text("run: {steps: [1\n")
+    (tmp_path / "badflow.yaml").write_text("flow: foo\n")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "data.txt").write_text("1+1=2\n")
+    (tmp_path / "qa.jsonl").write_text('{"q": "1+1=", "a": "2"}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.jsonl").write_text('{"step": 1}\n')
+    return tmp_path
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """A Cluster that fails if anything tries to start one: each error must come before Ray starts."""
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a Cluster was started before the bad input was found")
+
+    monkeypatch.setattr(cluster_module.Cluster, "__init__", refuse)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # main() sets the driver's to 1
+
+
+@pytest.mark.parametrize("name,argv,message", CASES, ids=[c[0] for c in CASES])
+def test_a_bad_input_gets_its_message_and_exit_code_2(name, argv, message, inputs, no_ray, capsys):
+    fill = lambda s: s.replace("{tmp}", str(inputs))  # noqa: E731
+    try:
+        code = main([fill(a) for a in argv])
+    except SystemExit as e:  # argparse
+        code = e.code
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(err) == 1 or err[0].startswith("usage: "), err  # one line, or argparse's usage and then the error
+    assert err[-1].startswith("m2flow") and fill(message) in err[-1], err
+
+
+def test_every_case_is_listed_in_docs_errors_md():
+    doc = DOC.read_text()
+    rows = re.findall(r"^\| (.+?) \|", doc, re.M)
+    missing = [name for name, _, _ in CASES if name not in rows]
+    assert len(CASES) >= 30 and not missing, missing
