@@ -47,8 +47,10 @@ PLANS = {  # name -> cluster.placement over two CPU devices, each half of the co
     "collocated": "rollout,reward,inference,actor: 0-1:0",
     "pipelined_async": "rollout: 0; reward,inference,actor: 1",
     "collocated_async": "rollout,reward,inference,actor: 0-1:0",
+    "collocated_unshared": "rollout,reward,inference,actor: 0-1:0",
 }
 STALENESS = {"pipelined_async": 1, "collocated_async": 1}  # algorithm.max_staleness per plan (0 when absent)
+EXTRA = {"collocated_unshared": ["actor.share_prompts=false"]}  # every prompt forwarded once per sample, as TRL does
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -131,7 +133,8 @@ def load() -> str:
 
 def run_m2flow(args, out: Path, model_path: str, plan: str, cluster) -> dict:
     cfg = make_cfg(args, out, f"m2flow_{plan}", [f"model.path={model_path}", "sft.steps=0",
-                                                 f"algorithm.max_staleness={STALENESS.get(plan, 0)}"])
+                                                 f"algorithm.max_staleness={STALENESS.get(plan, 0)}",
+                                                 *EXTRA.get(plan, [])])
     cfg.cluster.placement = PLANS[plan]
     shutil.rmtree(cfg.run.path, ignore_errors=True)
     t = time.perf_counter()
@@ -296,8 +299,9 @@ def main() -> int:
     ap.add_argument("--kl-coef", type=float, default=0.0, help="KL coefficient (m2flow algorithm.kl_coef = TRL beta)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the median (warm-up)")
-    ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS),
-                    help="m2flow plans to run (*_async: algorithm.max_staleness=1)")
+    ap.add_argument("--plans", nargs="+", default=[p for p in PLANS if p not in EXTRA], choices=list(PLANS),
+                    help="m2flow plans to run (*_async: algorithm.max_staleness=1; collocated_unshared: "
+                         "actor.share_prompts=false)")
     ap.add_argument("--no-trl", action="store_true", help="run m2flow only")
     ap.add_argument("--trl-threads", type=int, default=CORES, help="torch threads of the TRL process (default: all cores)")
     ap.add_argument("--eval-size", type=int, default=500, help="held-out problems (greedy pass@1, pass@8)")

@@ -394,6 +394,10 @@ class ActorConfig:
     micro_batch_tokens: int = opt(8192, "padded tokens per forward/backward: what arrives (a streamed micro-batch, "
                                         "or the whole batch when collocated) is cut into equal parts of at most this "
                                         "many (veRL's dynamic batch size); 0: micro_batch samples per part")
+    share_prompts: bool = opt(True, "forward each distinct prompt once per pass and every response against its "
+                                    "cached keys and values (the n responses of a group share their prompt): fewer "
+                                    "tokens through the model in training and logprob passes, the same logprobs to "
+                                    "float rounding; backend torch only (fsdp2 ranks run the plain pass)")
     backend: str = opt("torch", "torch: one rank | fsdp2: sharded over the actor's ranks (FSDP2, gloo/NCCL)")
     nonfinite: str = opt("stop", "a non-finite (NaN/inf) loss or gradient: stop (the update is not applied; the run "
                                  "ends with an error naming the component and the first non-finite tensor) | skip "

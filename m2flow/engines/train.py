@@ -113,31 +113,105 @@ def _shifted_stats(
     return logp, ent
 
 
-def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float = 1.0,
+                   share_prompts: bool = False) -> torch.Tensor:
     """[B, L] float32: log π(input_ids[b, t] | input_ids[b, :t]) at response positions, 0 elsewhere.
 
     π is softmax(logits / temperature), the same distribution `HFEngine` reports logprobs under.
-    Differentiable: call under torch.no_grad() for inference-only use.
+    Differentiable: call under torch.no_grad() for inference-only use. `share_prompts`: see `shared_prompt_logits`.
     """
-    start = _first_needed(batch)
-    logp, _ = _shifted_stats(_logits(model, batch, start), batch["input_ids"], temperature, with_entropy=False,
-                             start=start)
-    return logp * batch["response_mask"].to(logp.device)
+    return _response_stats(model, batch, temperature, False, True, share_prompts)[0]
 
 
 def token_logprobs_and_entropy(
-    model, batch: dict[str, torch.Tensor], temperature: float = 1.0, entropy_grad: bool = True
+    model, batch: dict[str, torch.Tensor], temperature: float = 1.0, entropy_grad: bool = True,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """([B, L] logprobs, [B, L] entropy), both token-aligned and 0 outside the response.
 
     entropy[b, t] is the entropy of the distribution that sampled the token at t (logits at t-1). With
-    `entropy_grad=False` it carries no gradient (a metric: no graph built for it).
+    `entropy_grad=False` it carries no gradient (a metric: no graph built for it). `share_prompts`: see
+    `shared_prompt_logits`.
     """
-    start = _first_needed(batch)
-    logp, ent = _shifted_stats(_logits(model, batch, start), batch["input_ids"], temperature, with_entropy=True,
-                               start=start, entropy_grad=entropy_grad)
-    mask = batch["response_mask"].to(logp.device)
-    return logp * mask, ent * mask
+    return _response_stats(model, batch, temperature, True, entropy_grad, share_prompts)
+
+
+def _response_stats(model, batch, temperature, with_entropy, entropy_grad, share_prompts):
+    mask = batch["response_mask"]
+    shared = shared_prompt_logits(model, batch) if share_prompts else None
+    if shared is None:  # every row forwards its whole sequence
+        start = _first_needed(batch)
+        logp, ent = _shifted_stats(_logits(model, batch, start), batch["input_ids"], temperature, with_entropy,
+                                   start=start, entropy_grad=entropy_grad)
+    else:  # each row forwarded its own tokens only; put their figures back at their columns of the batch
+        logits, own_ids, cols, valid = shared
+        own_lp, own_ent = _shifted_stats(logits, own_ids, temperature, with_entropy, entropy_grad=entropy_grad)
+        keep = valid.clone()
+        keep[:, 0] = False  # own column 0 is the prompt's last token: predicted by the shared part, not a response
+        logp, ent = (None if x is None else
+                     torch.zeros(mask.shape, dtype=x.dtype, device=x.device).scatter_add(1, cols, x * keep)
+                     for x in (own_lp, own_ent))
+    mask = mask.to(logp.device)
+    return logp * mask, (ent * mask if with_entropy else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument(model_type: type) -> str | None:
+    """The name under which the model's forward takes a KV cache (`cache`, formerly `past_key_values`), or None."""
+    try:
+        params = inspect.signature(model_type.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def shared_prompt_logits(model, batch: dict[str, torch.Tensor]):
+    """Forward each distinct prompt of `batch` once, then every row's own tokens against the prompt's keys and values.
+
+    A GRPO batch holds n responses to every prompt; the plain pass runs the prompt through the model n times. Here the
+    prompt minus its last token (the shared part) runs once per distinct prompt, with a KV cache; the cache's rows are
+    copied out to the batch's rows (a differentiable gather, so each prompt's gradient is the sum over its responses),
+    and each row forwards its own part: the prompt's last token and the response, at their true positions, attending
+    to the shared part. The logits equal the plain pass's to float rounding; the prompt tokens go through the model
+    once per group instead of once per sample.
+
+    Returns (logits [B, T, V], own_ids [B, T], cols [B, T], valid [B, T]) where own_ids[b, j] is the token at column
+    cols[b, j] of the batch (j = 0: the prompt's last token), logits[:, j] predict own_ids[:, j + 1], and valid marks
+    real tokens; or None where sharing saves nothing (no prompt repeats, one-token prompts) or the model's forward
+    takes no KV cache (then the caller runs the plain pass).
+    """
+    cache_arg = _cache_argument(type(model))
+    if cache_arg is None:
+        return None
+    from transformers import DynamicCache  # engines/hf already depends on transformers; imported on first use
+
+    ids, response = batch["input_ids"], batch["response_mask"]
+    B, L = ids.shape
+    resp_len = response.sum(1).long()
+    shared_len = batch["attention_mask"].sum(1).long() - resp_len - 1  # the prompt without its last token
+    S = int(shared_len.max())
+    if S <= 0:
+        return None
+    cols_s = torch.arange(S)
+    shared_mask = cols_s < shared_len[:, None]
+    keys = torch.cat([torch.where(shared_mask, ids[:, :S], 0), shared_len[:, None]], 1)
+    distinct, row_of = torch.unique(keys, dim=0, return_inverse=True)
+    if len(distinct) == B:
+        return None
+    device = next(model.parameters()).device
+    cache = DynamicCache()
+    model(input_ids=distinct[:, :S].to(device), attention_mask=(cols_s < distinct[:, S:]).long().to(device),
+          position_ids=cols_s.expand(len(distinct), S).to(device), use_cache=True, logits_to_keep=1,
+          **{cache_arg: cache})
+    cache.batch_select_indices(row_of.to(device))  # [distinct] -> [B] rows
+    T = 1 + int(resp_len.max())
+    j = torch.arange(T)
+    valid = j < (1 + resp_len)[:, None]
+    cols = (shared_len[:, None] + j).clamp(max=L - 1)  # clamped columns are padding (not valid)
+    own_ids = torch.where(valid, ids.gather(1, cols), 0)
+    out = model(input_ids=own_ids.to(device), attention_mask=torch.cat([shared_mask, valid], 1).long().to(device),
+                position_ids=(shared_len[:, None] + j).to(device), use_cache=True, **{cache_arg: cache})
+    return out.logits, own_ids, cols.to(device), valid.to(device)
 
 
 def sft(

@@ -69,6 +69,10 @@ class ActorWorker(Worker):
         # off-policy: clip against the proximal policy (this step's own), weight by proximal / behaviour (decoupled PPO)
         self.decoupled = cfg.algorithm.max_staleness > 0 and cfg.algorithm.old_logprobs == "auto"
         self.version = 0
+        # the prompt-sharing pass decides per micro-batch how many forwards it runs; sharded ranks must run alike
+        self.share_prompts = a.share_prompts and not self.sharded
+        self.forward_tokens = 0  # tokens through the model (padding included), counted at its input embedding
+        self.model.get_input_embeddings().register_forward_hook(self._count_tokens)
         if not self.sharded:  # context switching moves plain tensors; sharded (DTensor) state stays put
             self.register_offloadable("model", self.model)
             self.register_offloadable("optimizer", self.optimizer)
@@ -81,7 +85,7 @@ class ActorWorker(Worker):
         a = self.cfg.actor
         stats: list[tuple[int, dict]] = []
         ages: list[torch.Tensor] = []
-        self.skipped, self.bad_loss = 0, None
+        self.skipped, self.bad_loss, self.forward_tokens = 0, None, 0
         before = self._weight_norm() if a.max_weight_growth else 0.0
         if a.mini_batches == 1 and a.epochs == 1:
             self.optimizer.zero_grad(set_to_none=True)
@@ -121,10 +125,13 @@ class ActorWorker(Worker):
         kept = age[fresh]
         out.update({"actor/grad_norm": sum(grad_norms) / len(grad_norms), "actor/lr": self.scheduler.get_last_lr()[0],
                     "actor/samples": samples, "actor/micro_batches": len(stats), "actor/stale_dropped": int((~fresh).sum()),
-                    "actor/nonfinite_skipped": self.skipped,
+                    "actor/nonfinite_skipped": self.skipped, "actor/forward_tokens": self.forward_tokens,
                     "actor/staleness_mean": float(kept.float().mean()) if len(kept) else 0.0,
                     "actor/staleness_max": int(kept.max()) if len(kept) else 0})
         return out
+
+    def _count_tokens(self, module, inputs, output) -> None:
+        self.forward_tokens += inputs[0].numel()
 
     def _fresh(self, share: Batch, ages: list) -> tuple[Batch, bool]:
         """`share` without the samples older than `max_staleness` versions, and whether it still carries samples (a
@@ -147,7 +154,7 @@ class ActorWorker(Worker):
     def _logprobs(self, batch: Batch) -> torch.Tensor:
         """Token logprobs of `batch` under the current weights, no gradient, a micro-batch at a time."""
         with torch.no_grad():  # the micro-batches share the batch's padded width
-            return torch.cat([token_logprobs(self.model, m.tensors, self.cfg.rollout.temperature)
+            return torch.cat([token_logprobs(self.model, m.tensors, self.cfg.rollout.temperature, self.share_prompts)
                               for m in self._micros(batch)])
 
     def _micros(self, batch: Batch) -> list[Batch]:
@@ -188,7 +195,8 @@ class ActorWorker(Worker):
         alg = self.cfg.algorithm
         mask = micro["response_mask"].float()
         logprobs, entropy = token_logprobs_and_entropy(self.model, micro.tensors, self.cfg.rollout.temperature,
-                                                       entropy_grad=bool(alg.entropy_coef))
+                                                       entropy_grad=bool(alg.entropy_coef),
+                                                       share_prompts=self.share_prompts)
         advantages = micro["advantages"].view(-1, 1) * mask
         old, extra = micro["old_logprobs"], {}
         if self.decoupled:  # PPO clips against the proximal policy; the behaviour gap is an importance weight
@@ -204,7 +212,7 @@ class ActorWorker(Worker):
         if self.kl is not None:
             kl = masked_mean(self.kl(logprobs, micro["ref_logprobs"]), mask)
             loss = loss + alg.kl_coef * kl
-            metrics["actor/kl"] = float(kl)
+            metrics["actor/kl"] = float(kl.detach())
         if alg.entropy_coef:
             loss = loss - alg.entropy_coef * ent
         return loss, metrics

@@ -83,10 +83,11 @@ class InferenceWorker(Worker):
             batch["old_logprobs"] = batch["rollout_logprobs"]
         if self.model is not None or self.ref is not None:
             with self.device_phase("logprobs", step), torch.no_grad():
+                temperature, share = self.cfg.rollout.temperature, self.cfg.actor.share_prompts
                 if self.model is not None:
-                    batch["old_logprobs"] = token_logprobs(self.model, batch.tensors, self.cfg.rollout.temperature)
+                    batch["old_logprobs"] = token_logprobs(self.model, batch.tensors, temperature, share)
                 if self.ref is not None:
-                    batch["ref_logprobs"] = token_logprobs(self.ref, batch.tensors, self.cfg.rollout.temperature)
+                    batch["ref_logprobs"] = token_logprobs(self.ref, batch.tensors, temperature, share)
         if consumers > 1:
             route(out, batch, consumers)
         else:

@@ -116,6 +116,24 @@ def test_micro_batches_by_tokens_change_the_passes_not_the_update(cluster, tmp_p
         make_cfg(tmp_path, "bad", "actor.micro_batch_tokens=-1")
 
 
+def test_shared_prompts_send_fewer_tokens_through_the_model_for_the_same_update(cluster, tmp_path):
+    """actor.share_prompts (default on): the actor forwards each group's prompt once. With 2 epochs and a KL term the
+    inference stage's old and reference logprobs go through the same pass. Every step forwards fewer tokens than with
+    share_prompts=false and makes the same update, to float rounding."""
+    common = ["cluster.placement=rollout,reward,inference,actor: 0-1:0", "reward.fn=reward_fixtures:digit_fraction",
+              "run.steps=2", "actor.epochs=2", "algorithm.kl_coef=0.05"]
+    train(make_cfg(tmp_path, "shared", *common), cluster)
+    train(make_cfg(tmp_path, "plain", "actor.share_prompts=false", *common), cluster)
+    shared, plain = rows(tmp_path / "shared"), rows(tmp_path / "plain")
+    for a, b in zip(shared, plain):
+        assert 0 < a["actor/forward_tokens"] < 0.9 * b["actor/forward_tokens"], a["step"]
+        for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl", "actor/approx_kl"):
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6), (a["step"], k)
+    ws, wp = (weights(tmp_path / n / "checkpoints" / "step_2" / "model") for n in ("shared", "plain"))
+    for k in ws:  # Adam moves a weight by up to lr (1e-3) per update, whatever the size of its gradient
+        torch.testing.assert_close(ws[k], wp[k], rtol=1e-4, atol=1e-4)
+
+
 def test_pipelined_trace_overlaps_rollout_and_training(cluster, tmp_path):
     """In the pipelined plan the inference/actor device works while rollout still generates. With 8 decode slots for
     16 prompts x 4 samples the engine finishes two prompt groups at a time (continuous batching), so each micro-batch

@@ -1,6 +1,7 @@
 """HF model directory, HFEngine generation contract, and the training-side logprobs/collate/SFT."""
 
 import json
+import random
 import time
 
 import pytest
@@ -233,6 +234,62 @@ def test_logits_of_the_prompt_prefix_are_never_computed_and_change_nothing(model
     lp, ent = token_logprobs_and_entropy(model, batch, entropy_grad=False)
     assert lp.requires_grad and not ent.requires_grad
     assert token_logprobs_and_entropy(model, batch)[1].requires_grad
+
+
+def _groups(seed: int, prompts: int, max_n: int, vocab: int = 50) -> list:
+    """`prompts` random prompts of 1..7 tokens, each with 1..max_n responses of 0..5 tokens."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(prompts):
+        prompt = [rng.randint(3, vocab) for _ in range(rng.randint(1, 7))]
+        out += [(prompt, [rng.randint(3, vocab) for _ in range(rng.randint(0, 5))]) for _ in range(rng.randint(1, max_n))]
+    return out
+
+
+def test_prompts_shared_in_one_pass_give_the_plain_logprobs_entropy_and_gradients(model):
+    """Groups of responses to one prompt (prompts of 1..7 tokens, empty responses among them): forwarding each distinct
+    prompt once and the responses against its cached keys/values gives the plain pass's logprobs, entropy and
+    gradients (to float rounding), and sends fewer tokens through the model: the shared part once per prompt."""
+    samples = _groups(seed=0, prompts=6, max_n=5)
+    batch = collate(samples, pad_id=0)
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].numel()))
+    params = list(model.parameters())
+    for T in (1.0, 0.7):
+        seen.clear()
+        plain = token_logprobs_and_entropy(model, batch, T)
+        plain_tokens = sum(seen)
+        seen.clear()
+        shared = token_logprobs_and_entropy(model, batch, T, share_prompts=True)
+        shared_tokens = sum(seen)
+        for a, b in zip(plain, shared):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        for ga, gb in zip(torch.autograd.grad((plain[0] * 3 + plain[1]).sum(), params),
+                          torch.autograd.grad((shared[0] * 3 + shared[1]).sum(), params)):
+            torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(token_logprobs(model, batch, T, share_prompts=True), plain[0], rtol=0, atol=1e-5)
+    hook.remove()
+    prompts = {tuple(p) for p, _ in samples}
+    shared_width = max(len(p) for p in prompts) - 1
+    own_width = 1 + max(len(r) for _, r in samples)
+    assert shared_tokens == len(prompts) * shared_width + len(samples) * own_width
+    assert plain_tokens == len(samples) * batch["input_ids"].shape[1]
+    assert shared_tokens < 0.75 * plain_tokens
+
+
+def test_prompt_sharing_steps_aside_where_it_saves_nothing_or_the_model_takes_no_cache(model):
+    """No prompt repeated, or only one-token prompts: the plain pass. A model whose forward takes no KV cache: the
+    plain pass too, with the same results."""
+    distinct = collate([([5, 6, 7], [8, 9]), ([10, 4], [11, 12, 13])], pad_id=0)
+    one_token = collate([([5], [8, 9]), ([5], [11])], pad_id=0)
+    assert train_mod.shared_prompt_logits(model, distinct) is None
+    assert train_mod.shared_prompt_logits(model, one_token) is None
+    grouped = collate(_groups(seed=1, prompts=3, max_n=4), pad_id=0)
+    assert train_mod.shared_prompt_logits(model, grouped) is not None
+    assert train_mod.shared_prompt_logits(WithoutLogitsToKeep(model), grouped) is None
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(WithoutLogitsToKeep(model), grouped, share_prompts=True),
+                                   token_logprobs(model, grouped), rtol=0, atol=1e-5)
 
 
 def test_logprob_math_gives_the_same_values_in_one_piece_and_row_by_row():
