@@ -27,12 +27,21 @@ def preflight(cfg) -> None:
 
 
 def local_devices(cpu_devices: int | None) -> int | None:
-    """The devices a local cluster started here will have (its GPUs, else `cpu_devices` or one per core), or None
-    when that depends on a cluster already running (a Ray address given, or Ray already started in this process)."""
+    """The devices the cluster a run starts here will have, counted as `Cluster` counts them: on each node its GPUs,
+    else `cpu_devices` or one per core. Ray already started in this process: the nodes it knows of; else this machine.
+    None when that depends on a cluster not joined yet (a Ray address given)."""
     import ray
 
     if ray.is_initialized():
-        return None
+        here = ray.get_runtime_context().get_node_id()
+        total = 0
+        for node in (n for n in ray.nodes() if n["Alive"]):
+            res = node["Resources"]
+            cores = int(res.get("CPU", 0)) or len(os.sched_getaffinity(0))
+            if node["NodeID"] == here:
+                cores = min(cores, len(os.sched_getaffinity(0)))
+            total += int(res.get("GPU", 0)) or cpu_devices or cores
+        return total
     try:
         import torch
 
