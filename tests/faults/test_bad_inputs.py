@@ -135,7 +135,7 @@ def test_a_bad_input_gets_its_message_and_exit_code_2(name, argv, message, input
     assert err[-1].startswith("m2flow") and fill(message) in err[-1], err
 
 
-@pytest.mark.parametrize("name", ["placement device missing", "placement leaves a component out",
+@pytest.mark.parametrize("name", ["placement syntax", "placement device missing", "placement leaves a component out",
                                   "embodied placement leaves a component out"])
 def test_a_bad_placement_is_found_before_the_run_when_ray_is_already_running(name, cluster, inputs, no_ray, capsys):
     """In a process that already runs Ray (a notebook, this test session), the placement is checked against the
