@@ -1,4 +1,6 @@
 """The training forward + backward of one GRPO batch: m2flow's loss path against TRL's, same model and batch.
+m2flow runs each micro-batch size twice: every sample forwarded whole (as TRL does), and "shared" (each group's
+prompt forwarded once, `actor.share_prompts`).
 
 Answers "is m2flow's training compute slower than TRL's?" apart from everything else in a step. One process,
 interleaved repeats (trl, m2flow at each micro-batch size, trl, ...), medians over all but the first repeat, the
@@ -66,14 +68,15 @@ def main() -> None:
         logps = selective_log_softmax(logits[:, -C:], completion_ids)
         (-(logps * completion_mask).sum() / completion_mask.sum()).backward()
 
-    def m2flow(micro: int) -> None:
+    def m2flow(micro: int, share: bool) -> None:
         for i in range(0, B, micro):
             part = {k: v[i:i + micro] for k, v in batch.items()}
-            logps, _ = token_logprobs_and_entropy(model, part, entropy_grad=False)
+            logps, _ = token_logprobs_and_entropy(model, part, entropy_grad=False, share_prompts=share)
             (-(logps * part["response_mask"]).sum() / batch["response_mask"].sum()).backward()
 
-    paths = {"TRL (selective_log_softmax)": trl, **{f"m2flow micro_batch={m}": (lambda m=m: m2flow(m))
-                                                    for m in args.micro_batches}}
+    paths = {"TRL (selective_log_softmax)": trl,
+             **{f"m2flow micro_batch={m}{' shared' if share else ''}": (lambda m=m, share=share: m2flow(m, share))
+                for m in args.micro_batches for share in (False, True)}}
     seconds: dict[str, list[float]] = {k: [] for k in paths}
     load_before = os.getloadavg()[0]
     for _ in range(args.repeats):

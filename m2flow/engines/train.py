@@ -9,7 +9,7 @@ import functools
 import inspect
 import math
 import random
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -138,19 +138,23 @@ def token_logprobs_and_entropy(
 
 def _response_stats(model, batch, temperature, with_entropy, entropy_grad, share_prompts):
     mask = batch["response_mask"]
-    shared = shared_prompt_logits(model, batch) if share_prompts else None
-    if shared is None:  # every row forwards its whole sequence
+    parts = shared_prompt_logits(model, batch) if share_prompts else None
+    if parts is None:  # every row forwards its whole sequence
         start = _first_needed(batch)
         logp, ent = _shifted_stats(_logits(model, batch, start), batch["input_ids"], temperature, with_entropy,
                                    start=start, entropy_grad=entropy_grad)
     else:  # each row forwarded its own tokens only; put their figures back at their columns of the batch
-        logits, own_ids, cols, valid = shared
-        own_lp, own_ent = _shifted_stats(logits, own_ids, temperature, with_entropy, entropy_grad=entropy_grad)
-        keep = valid.clone()
-        keep[:, 0] = False  # own column 0 is the prompt's last token: predicted by the shared part, not a response
-        logp, ent = (None if x is None else
-                     torch.zeros(mask.shape, dtype=x.dtype, device=x.device).scatter_add(1, cols, x * keep)
-                     for x in (own_lp, own_ent))
+        logp = torch.zeros(mask.shape, dtype=torch.float32, device=parts[0].logits.device)
+        ent = torch.zeros_like(logp) if with_entropy else None
+        for part in parts:
+            own_lp, own_ent = _shifted_stats(part.logits, part.own_ids, temperature, with_entropy,
+                                             entropy_grad=entropy_grad)
+            keep = part.valid.clone()
+            keep[:, 0] = False  # own column 0 is the prompt's last token: predicted by the shared part
+            where = (part.rows[:, None].expand_as(part.cols), part.cols)
+            logp = logp.index_put(where, own_lp * keep, accumulate=True)
+            if with_entropy:
+                ent = ent.index_put(where, own_ent * keep, accumulate=True)
     mask = mask.to(logp.device)
     return logp * mask, (ent * mask if with_entropy else None)
 
@@ -165,20 +169,48 @@ def _cache_argument(model_type: type) -> str | None:
     return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
-def shared_prompt_logits(model, batch: dict[str, torch.Tensor]):
+BUCKET_COST = 0.05  # a further pass over the responses is taken when it saves more than this share of the padded tokens
+
+
+def length_buckets(widths: Sequence[int], pass_cost: float = BUCKET_COST) -> list[int]:
+    """Cut rows sorted by width (ascending) into contiguous buckets, each padded to its widest row, minimising the
+    padded tokens plus `pass_cost` x (all rows x the widest width) per bucket (the fixed cost of one more pass).
+    Returns each bucket's end (exclusive): [len(widths)] when one pass is best."""
+    n = len(widths)
+    if n == 0:
+        return []
+    ends = [i + 1 for i in range(n) if i + 1 == n or widths[i + 1] != widths[i]]  # a bucket never splits a width
+    fixed = pass_cost * n * widths[-1]
+    best = {0: (0.0, [])}  # rows covered -> (cost, bucket ends)
+    for end in ends:
+        best[end] = min(((best[lo][0] + (end - lo) * widths[end - 1] + fixed, best[lo][1] + [end])
+                         for lo in best if lo < end), key=lambda x: x[0])
+    return best[n][1]
+
+
+class SharedPart(NamedTuple):
+    """One pass over some rows' own tokens: `logits[:, j]` predict `own_ids[:, j + 1]`; `own_ids[i, j]` is the token
+    at column `cols[i, j]` of batch row `rows[i]` (j = 0: the prompt's last token); `valid` marks real tokens."""
+    rows: torch.Tensor
+    logits: torch.Tensor
+    own_ids: torch.Tensor
+    cols: torch.Tensor
+    valid: torch.Tensor
+
+
+def shared_prompt_logits(model, batch: dict[str, torch.Tensor]) -> list[SharedPart] | None:
     """Forward each distinct prompt of `batch` once, then every row's own tokens against the prompt's keys and values.
 
     A GRPO batch holds n responses to every prompt; the plain pass runs the prompt through the model n times. Here the
     prompt minus its last token (the shared part) runs once per distinct prompt, with a KV cache; the cache's rows are
     copied out to the batch's rows (a differentiable gather, so each prompt's gradient is the sum over its responses),
     and each row forwards its own part: the prompt's last token and the response, at their true positions, attending
-    to the shared part. The logits equal the plain pass's to float rounding; the prompt tokens go through the model
+    to the shared part. Rows of similar response length share a pass (`length_buckets`), so that a few long responses
+    do not pad every row. The logits equal the plain pass's to float rounding; the prompt tokens go through the model
     once per group instead of once per sample.
 
-    Returns (logits [B, T, V], own_ids [B, T], cols [B, T], valid [B, T]) where own_ids[b, j] is the token at column
-    cols[b, j] of the batch (j = 0: the prompt's last token), logits[:, j] predict own_ids[:, j + 1], and valid marks
-    real tokens; or None where sharing saves nothing (no prompt repeats, one-token prompts) or the model's forward
-    takes no KV cache (then the caller runs the plain pass).
+    Returns the passes (`SharedPart`), or None where sharing saves nothing (no prompt repeats, one-token prompts) or
+    the model's forward takes no KV cache (then the caller runs the plain pass).
     """
     cache_arg = _cache_argument(type(model))
     if cache_arg is None:
@@ -199,19 +231,36 @@ def shared_prompt_logits(model, batch: dict[str, torch.Tensor]):
     if len(distinct) == B:
         return None
     device = next(model.parameters()).device
-    cache = DynamicCache()
+    prompts = DynamicCache()
     model(input_ids=distinct[:, :S].to(device), attention_mask=(cols_s < distinct[:, S:]).long().to(device),
           position_ids=cols_s.expand(len(distinct), S).to(device), use_cache=True, logits_to_keep=1,
-          **{cache_arg: cache})
-    cache.batch_select_indices(row_of.to(device))  # [distinct] -> [B] rows
-    T = 1 + int(resp_len.max())
-    j = torch.arange(T)
-    valid = j < (1 + resp_len)[:, None]
-    cols = (shared_len[:, None] + j).clamp(max=L - 1)  # clamped columns are padding (not valid)
-    own_ids = torch.where(valid, ids.gather(1, cols), 0)
-    out = model(input_ids=own_ids.to(device), attention_mask=torch.cat([shared_mask, valid], 1).long().to(device),
-                position_ids=(shared_len[:, None] + j).to(device), use_cache=True, **{cache_arg: cache})
-    return out.logits, own_ids, cols.to(device), valid.to(device)
+          **{cache_arg: prompts})
+    width = 1 + resp_len  # own tokens: the prompt's last one and the response
+    order = torch.argsort(width, stable=True)
+    bounds = length_buckets(width[order].tolist(), BUCKET_COST) if hasattr(prompts, "layers") else [B]
+    parts, lo = [], 0
+    for hi in bounds:
+        rows = order[lo:hi] if len(bounds) > 1 else torch.arange(B)
+        lo = hi
+        if len(bounds) == 1:
+            cache = prompts
+            cache.batch_select_indices(row_of.to(device))  # [distinct] -> [B] rows
+        else:
+            cache = DynamicCache()
+            pick = row_of[rows].to(device)
+            for i, layer in enumerate(prompts.layers):
+                cache.update(layer.keys[pick], layer.values[pick], i)
+        T = int(width[rows].max())
+        j = torch.arange(T)
+        valid = j < width[rows, None]
+        pos = shared_len[rows, None] + j
+        cols = pos.clamp(max=L - 1)  # clamped columns are padding (not valid)
+        own_ids = torch.where(valid, ids[rows].gather(1, cols), 0)
+        out = model(input_ids=own_ids.to(device),
+                    attention_mask=torch.cat([shared_mask[rows], valid], 1).long().to(device),
+                    position_ids=pos.to(device), use_cache=True, **{cache_arg: cache})
+        parts.append(SharedPart(rows.to(device), out.logits, own_ids.to(device), cols.to(device), valid.to(device)))
+    return parts
 
 
 def sft(

@@ -271,10 +271,26 @@ def test_prompts_shared_in_one_pass_give_the_plain_logprobs_entropy_and_gradient
     hook.remove()
     prompts = {tuple(p) for p, _ in samples}
     shared_width = max(len(p) for p in prompts) - 1
-    own_width = 1 + max(len(r) for _, r in samples)
-    assert shared_tokens == len(prompts) * shared_width + len(samples) * own_width
+    own = sorted(1 + len(r) for _, r in samples)  # the prompt's last token and the response, per row
+    ends = train_mod.length_buckets(own)
+    assert shared_tokens == len(prompts) * shared_width + sum((hi - lo) * own[hi - 1]
+                                                              for lo, hi in zip([0, *ends], ends))
     assert plain_tokens == len(samples) * batch["input_ids"].shape[1]
     assert shared_tokens < 0.75 * plain_tokens
+
+
+def test_length_buckets_by_hand():
+    """Rows sorted by width go into passes padded to their widest row; one more pass costs 5% of the one-pass tokens."""
+    assert train_mod.length_buckets([]) == []
+    assert train_mod.length_buckets([3, 3, 3, 3]) == [4]
+    # one pass: 12 x 9 = 108 (+5.4); two: 10 x 2 + 2 x 9 = 38 (+10.8)
+    assert train_mod.length_buckets([2] * 10 + [9] * 2) == [10, 12]
+    # one pass: 6 x 20 = 120 (+6); two: 3 x 19 + 3 x 20 = 117 (+12) saves less than the pass costs
+    assert train_mod.length_buckets([19] * 3 + [20] * 3) == [6]
+    assert train_mod.length_buckets([4, 4, 5, 5]) == [2, 4]  # 20 (+1) against 18 (+2)
+    # a width is never split between passes
+    assert train_mod.length_buckets([2, 2, 2, 9, 9, 9]) == [3, 6]
+    assert train_mod.length_buckets([2] * 10 + [9] * 2, pass_cost=1.0) == [12]
 
 
 def test_prompt_sharing_steps_aside_where_it_saves_nothing_or_the_model_takes_no_cache(model):
@@ -290,6 +306,13 @@ def test_prompt_sharing_steps_aside_where_it_saves_nothing_or_the_model_takes_no
     with torch.no_grad():
         torch.testing.assert_close(token_logprobs(WithoutLogitsToKeep(model), grouped, share_prompts=True),
                                    token_logprobs(model, grouped), rtol=0, atol=1e-5)
+    # responses of one length: one pass over them, against the cache's own rows
+    even = collate([([5, 6, 7], [8, 9]), ([5, 6, 7], [10, 11]), ([4, 3], [12, 13]), ([4, 3], [9, 9])], pad_id=0)
+    parts = train_mod.shared_prompt_logits(model, even)
+    assert len(parts) == 1 and parts[0].rows.tolist() == [0, 1, 2, 3]
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(model, even, share_prompts=True), token_logprobs(model, even),
+                                   rtol=0, atol=1e-5)
 
 
 def test_logprob_math_gives_the_same_values_in_one_piece_and_row_by_row():
