@@ -32,15 +32,17 @@ def local_devices(cpu_devices: int | None) -> int | None:
     None when that depends on a cluster not joined yet (a Ray address given)."""
     import ray
 
+    from m2flow.runtime.cluster import node_devices
+
+    mine = len(os.sched_getaffinity(0))
     if ray.is_initialized():
         here = ray.get_runtime_context().get_node_id()
         total = 0
         for node in (n for n in ray.nodes() if n["Alive"]):
             res = node["Resources"]
-            cores = int(res.get("CPU", 0)) or len(os.sched_getaffinity(0))
-            if node["NodeID"] == here:
-                cores = min(cores, len(os.sched_getaffinity(0)))
-            total += int(res.get("GPU", 0)) or cpu_devices or cores
+            cores = int(res.get("CPU", 0)) or mine
+            total += node_devices(int(res.get("GPU", 0)), min(cores, mine) if node["NodeID"] == here else cores,
+                                  cpu_devices)
         return total
     try:
         import torch
@@ -48,7 +50,7 @@ def local_devices(cpu_devices: int | None) -> int | None:
         gpus = torch.cuda.device_count()
     except Exception:  # noqa: BLE001 - no usable CUDA: a CPU machine
         gpus = 0
-    return gpus or cpu_devices or len(os.sched_getaffinity(0))
+    return node_devices(gpus, mine, cpu_devices)
 
 
 def _placement(cfg) -> None:

@@ -169,6 +169,13 @@ def _cache_argument(model_type: type) -> str | None:
     return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
+def _cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) of each layer of an HF DynamicCache (transformers 5: `layers`; 4: `key_cache` / `value_cache`)."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
 BUCKET_COST = 0.05  # a further pass over the responses is taken when it saves more than this share of the padded tokens
 
 
@@ -237,19 +244,13 @@ def shared_prompt_logits(model, batch: dict[str, torch.Tensor]) -> list[SharedPa
           **{cache_arg: prompts})
     width = 1 + resp_len  # own tokens: the prompt's last one and the response
     order = torch.argsort(width, stable=True)
-    bounds = length_buckets(width[order].tolist(), BUCKET_COST) if hasattr(prompts, "layers") else [B]
+    shared = _cache_tensors(prompts)
     parts, lo = [], 0
-    for hi in bounds:
-        rows = order[lo:hi] if len(bounds) > 1 else torch.arange(B)
-        lo = hi
-        if len(bounds) == 1:
-            cache = prompts
-            cache.batch_select_indices(row_of.to(device))  # [distinct] -> [B] rows
-        else:
-            cache = DynamicCache()
-            pick = row_of[rows].to(device)
-            for i, layer in enumerate(prompts.layers):
-                cache.update(layer.keys[pick], layer.values[pick], i)
+    for hi in length_buckets(width[order].tolist(), BUCKET_COST):
+        rows, lo = order[lo:hi], hi
+        cache, pick = DynamicCache(), row_of[rows].to(device)  # the bucket's rows of the distinct prompts' cache
+        for layer, (k, v) in enumerate(shared):
+            cache.update(k[pick], v[pick], layer)
         T = int(width[rows].max())
         j = torch.arange(T)
         valid = j < width[rows, None]

@@ -51,6 +51,11 @@ def _gpu_ids(cuda_visible: str | None, count: int) -> list[int]:
     return ids[:count] if len(ids) >= count else list(range(count))
 
 
+def node_devices(gpus: int, cores: int, cpu_devices: int | None) -> int:
+    """How many devices a node gives: one per GPU, else `cpu_devices` CPU devices, else one per core."""
+    return gpus or cpu_devices or cores
+
+
 class Cluster:
     """Start a local Ray instance (or join `address`, or use the one already initialized) and list its devices.
 
@@ -98,7 +103,7 @@ class Cluster:
             if num_gpus:
                 kinds = [("gpu", g) for g in _gpu_ids(probe["cuda_visible"], num_gpus)]
             else:
-                kinds = [("cpu", None)] * (cpu_devices or len(cores))
+                kinds = [("cpu", None)] * node_devices(0, len(cores), cpu_devices)
             first = len(self.devices)
             for (kind, gpu), slot in zip(kinds, _slices(cores, len(kinds))):
                 ip = node["NodeManagerAddress"]
