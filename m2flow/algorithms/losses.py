@@ -172,3 +172,39 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
             "explained_var": torch.where(var_r > 0, 1 - var_e / var_r.clamp(min=1e-12), 0 * var_r),
         }
     return loss, metrics
+
+
+def sample_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                       clip: float | Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """policy_loss for one action per sample and every sample valid (embodied PPO): inputs [B] -> (loss, approx_kl,
+    clipfrac), the same values as policy_loss(x[:, None] ..., mask=None, clip_low=clip)'s pg_loss, approx_kl and
+    clipfrac, in a third of its ops (no mask, no other statistic): a small policy's minibatch is bound by the
+    number of ops, not by FLOPs. `clip` may be a 0-d tensor (an annealed clip under torch.compile)."""
+    if not (logprobs.shape == old_logprobs.shape == advantages.shape) or logprobs.dim() != 1:
+        raise ValueError("logprobs, old_logprobs and advantages must share one [B] shape, got "
+                         f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(advantages.shape)}")
+    adv = advantages.detach().to(logprobs.dtype)
+    log_ratio = (logprobs - old_logprobs.detach().to(logprobs.dtype)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip, 1.0 + clip)).mean()
+    with torch.no_grad():
+        r, lr = ratio.detach(), log_ratio.detach()
+        approx_kl = (torch.expm1(lr) - lr).mean()
+        clipfrac = (((adv < 0) & (r < 1.0 - clip)) | ((adv > 0) & (r > 1.0 + clip))).to(r.dtype).mean()
+    return loss, approx_kl, clipfrac
+
+
+def sample_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float | None = None) -> Tensor:
+    """value_loss for every element valid, without its statistics: 0.5 * mean (v - R)^2, or with clip=c PPO value
+    clipping, mean max(0.5 (v - R)^2, 0.5 (old + clamp(v - old, -c, c) - R)^2). The same value as value_loss(...)[0]."""
+    if not (values.shape == old_values.shape == returns.shape):
+        raise ValueError("values, old_values and returns must share one shape, got "
+                         f"{tuple(values.shape)}, {tuple(old_values.shape)}, {tuple(returns.shape)}")
+    if clip is not None and clip <= 0:
+        raise ValueError(f"value clip must be > 0 (or None), got {clip}")
+    target = returns.detach().to(values.dtype)
+    per_elem = 0.5 * (values - target).pow(2)
+    if clip is not None:
+        old = old_values.detach().to(values.dtype)
+        per_elem = torch.maximum(per_elem, 0.5 * (old + (values - old).clamp(-clip, clip) - target).pow(2))
+    return per_elem.mean()

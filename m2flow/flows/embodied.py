@@ -63,13 +63,19 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
                                                         "rollout_in_env_process": cohost,
                                                         "actor_in_env_process": actor_cohost}, sort_keys=False))
 
-    env = EnvWorker.launch(cluster, plan["env"], cfg, run_dir=str(run.path))
-    obs_space, action_space = env.on(0).spaces().wait()[0]
-    rollout, actor = launch_all(cluster, [(PolicyWorker, plan["rollout"], (cfg, obs_space, action_space)),
-                                          (EmbodiedActorWorker, plan["actor"], (cfg, obs_space, action_space))],
-                                run_dir=str(run.path), host_with=[env if cohost else None, env if actor_cohost else None])
-    groups = [env, rollout, actor]
+    # created before the workers, so that its process starts while theirs do (else the first put waits ~0.5 s for it)
     trajectories = Channel.create(f"{run.path.resolve()}:{time.time_ns()}/trajectories")
+    try:
+        env = EnvWorker.launch(cluster, plan["env"], cfg, run_dir=str(run.path))
+        obs_space, action_space = env.on(0).spaces().wait()[0]
+        rollout, actor = launch_all(cluster, [(PolicyWorker, plan["rollout"], (cfg, obs_space, action_space)),
+                                              (EmbodiedActorWorker, plan["actor"], (cfg, obs_space, action_space))],
+                                    run_dir=str(run.path),
+                                    host_with=[env if cohost else None, env if actor_cohost else None])
+    except BaseException:
+        trajectories.destroy()
+        raise
+    groups = [env, rollout, actor]
     # env worker r asks policy worker r % R for its actions; every actor rank gets every trajectory
     policy_of = [rollout.on(r % rollout.world_size) for r in range(env.world_size)]
     local_sync = actor_cohost and rollout.world_size == 1  # the one policy worker lives in the actor's process

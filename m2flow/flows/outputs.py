@@ -108,21 +108,24 @@ class RunDir:
 
     # -- metrics -------------------------------------------------------------------------------
     def log(self, step: int, metrics: dict) -> None:
-        """Append one line to metrics.jsonl and the scalars to TensorBoard."""
+        """Append one line to metrics.jsonl and the finite scalars to TensorBoard, as one event: a summary per
+        scalar (SummaryWriter.add_scalar) costs ~0.1 ms each, 3 ms a step for 30 metrics, 2% of a CartPole step."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        tb = self.tensorboard()
-        for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                tb.add_scalar(k, v, step)
-        tb.flush()
+        values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in row.items()
+                  if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)]
+        self.tensorboard().add_summary(Summary(value=values), step)
+        self._tb.flush()
 
     def tensorboard(self):
+        """The event file writer of `tb/` (torch's FileWriter, which SummaryWriter wraps)."""
         if self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.writer import FileWriter
 
-            self._tb = SummaryWriter(str(self.path / "tb"))
+            self._tb = FileWriter(str(self.path / "tb"))
         return self._tb
 
     def metrics(self) -> list[dict]:

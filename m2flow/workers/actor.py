@@ -31,6 +31,7 @@ from m2flow.runtime.weights import publish
 from m2flow.types import Batch
 from m2flow.workers.common import drain
 from m2flow.workers.guards import check_weight_growth, first_nonfinite, nonfinite_update, sum_of_squares
+from m2flow.workers.sync import PublishesWeights
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -45,7 +46,7 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
-class ActorWorker(Worker):
+class ActorWorker(PublishesWeights, Worker):
     def __init__(self, cfg, model_path: str):
         self.cfg = cfg
         a = cfg.actor

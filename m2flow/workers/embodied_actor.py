@@ -14,12 +14,14 @@ from pathlib import Path
 
 import torch
 
-from m2flow.algorithms import embodied_grpo_advantages, first_episode_mask, gae, policy_loss, shift_values, value_loss
+from m2flow.algorithms import (embodied_grpo_advantages, first_episode_mask, gae, sample_policy_loss, sample_value_loss,
+                               shift_values)
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.weights import publish
 from m2flow.workers.guards import check_weight_growth, first_nonfinite, nonfinite_update, sum_of_squares
 from m2flow.workers.policy import make_policy
+from m2flow.workers.sync import PublishesWeights
 from m2flow.workloads.embodied import Trajectory
 
 
@@ -44,11 +46,11 @@ def minibatch_loss(policy, obs, actions, old_logp, old_v, adv, returns, clip: to
     does it over the whole minibatch, before splitting it between ranks). `clip` is a 0-d tensor, so a compiled copy
     keeps one graph while the clip range anneals."""
     logp, entropy, values = policy.evaluate(obs, actions)
-    pg, m = policy_loss(logp[:, None], old_logp[:, None], adv[:, None], None, clip_low=clip)
-    vf, _ = value_loss(values, old_v, returns, clip=alg.clip_vf)
+    pg, approx_kl, clipfrac = sample_policy_loss(logp, old_logp, adv, clip)
+    vf = sample_value_loss(values, old_v, returns, clip=alg.clip_vf)
     ent = entropy.mean()
-    loss = pg + alg.vf_coef * 2.0 * vf - alg.ent_coef * ent  # value_loss is 0.5 * MSE
-    return loss, torch.stack([pg.detach(), 2 * vf.detach(), ent.detach(), m["approx_kl"], m["clipfrac"]])
+    loss = pg + alg.vf_coef * 2.0 * vf - alg.ent_coef * ent  # the value loss is 0.5 * MSE
+    return loss, torch.stack([pg.detach(), 2 * vf.detach(), ent.detach(), approx_kl, clipfrac])
 
 
 STATS = ("actor/pg_loss", "actor/vf_loss", "actor/entropy", "actor/approx_kl", "actor/clipfrac")
@@ -134,7 +136,7 @@ def allreduce_grads(grads: torch.Tensor) -> None:
     grads /= dist.get_world_size()
 
 
-class EmbodiedActorWorker(Worker):
+class EmbodiedActorWorker(PublishesWeights, Worker):
     def __init__(self, cfg, obs_space, action_space):
         self.cfg = cfg
         self.policy = make_policy(cfg, obs_space, action_space).train()

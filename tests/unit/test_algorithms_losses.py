@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from m2flow.algorithms import AGG_MODES, aggregate, gspo_loss, policy_loss, value_loss
+from m2flow.algorithms import (AGG_MODES, aggregate, gspo_loss, policy_loss, sample_policy_loss, sample_value_loss,
+                               value_loss)
 
 
 # ---------------------------------------------------------------- naive references
@@ -291,6 +292,39 @@ def test_value_loss_time_major_without_mask():
     v, old, ret = torch.zeros(4, 3), torch.zeros(4, 3), torch.ones(4, 3)
     loss, _ = value_loss(v, old, ret)                          # [T, N], every element valid
     close(loss, 0.5)
+
+
+@pytest.mark.parametrize("clip", [0.2, torch.tensor(0.1)])
+def test_sample_losses_equal_the_masked_losses_on_every_sample_with_their_gradients(clip):
+    """The embodied actor's lean losses: the same loss, approx_kl, clipfrac and gradients as policy_loss with no
+    mask on [B, 1], and the same value loss as value_loss (with and without value clipping)."""
+    torch.manual_seed(7)
+    old = torch.randn(64) * 0.5
+    new = (old + torch.randn(64) * 0.3).requires_grad_()
+    adv = torch.randn(64)
+    loss, kl, cf = sample_policy_loss(new, old, adv, clip)
+    ref, m = policy_loss(new[:, None], old[:, None], adv[:, None], None, clip_low=clip)
+    assert 0 < float(cf) < 1  # both clip branches taken
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(kl, m["approx_kl"])
+    torch.testing.assert_close(cf, m["clipfrac"])
+    (g,) = torch.autograd.grad(loss, new)
+    (g_ref,) = torch.autograd.grad(ref, new)
+    torch.testing.assert_close(g, g_ref)
+    assert not kl.requires_grad and not cf.requires_grad
+
+    values, old_v, returns = (torch.randn(64) for _ in range(3))
+    values.requires_grad_()
+    for vclip in (None, 0.2):
+        mine = sample_value_loss(values, old_v, returns, vclip)
+        theirs = value_loss(values, old_v, returns, clip=vclip)[0]
+        torch.testing.assert_close(mine, theirs)
+        torch.testing.assert_close(torch.autograd.grad(mine, values)[0], torch.autograd.grad(theirs, values)[0])
+    assert float(sample_value_loss(values, old_v, returns, 0.2)) > float(sample_value_loss(values, old_v, returns))
+    with pytest.raises(ValueError, match=r"one \[B\] shape"):
+        sample_policy_loss(new[:, None], old[:, None], adv[:, None], 0.2)
+    with pytest.raises(ValueError, match="value clip must be > 0"):
+        sample_value_loss(values, old_v, returns, 0.0)
 
 
 def test_behaviour_weights_are_truncated_importance_ratios():
