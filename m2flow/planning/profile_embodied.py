@@ -5,7 +5,9 @@ trajectories, and writes the profile table the planner reads (docs/planner.md). 
 In lockstep the env worker waits while the policy infers, so each is timed alone: the env row is the rollout's time
 less its waits for actions (stepping, bookkeeping, the trajectory put), the rollout row is the policy's own compute
 for those requests. The rest of each wait is the hand-overs' round trip, `loop_latency`: measured with env and policy
-on one device (`shared`) and, in one more lockstep rollout, on two (`split`); a pipeline hides the second, not the first.
+on one device (`shared`) and, in one more lockstep rollout, on two (`split`); a pipeline hides the second, not the
+first. One more rollout with the policy in the env's process, as the flow runs one stage on shared devices, gives
+`cohosted`.
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                     info["machine"] = env.machine(len(cluster.nodes[0]["devices"])).wait()[0]
         if cluster.num_devices >= 2 and 1 in devices:
             info["split"], step = _split_loop(cfg, cluster, trajectories, work_dir, repeats, step)
+        if cfg.rollout.cohost and 1 in devices:
+            info["cohosted"], step = _cohosted_loop(cfg, cluster, trajectories, work_dir, repeats, step)
     finally:
         trajectories.destroy()
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -167,6 +171,28 @@ def _split_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: in
     return statistics.median(waits), step
 
 
+def _cohosted_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int,
+                   step: int) -> tuple[float, int]:
+    """The lockstep rollout at the full env count with the policy in the env worker's process, as the flow runs one
+    stage on shared devices (`rollout.cohost`): the median of its seconds. Its requests are calls in that process,
+    so the policy's compute falls inside the env's own time; `_table` takes the env and rollout rows off it."""
+    placement = parse_placement("env,rollout: 0", cluster.num_devices, COMPONENTS[:2])
+    env = EnvProbe.launch(cluster, placement["env"], cfg, run_dir=str(work_dir))
+    groups, seconds = [env], []
+    with running(groups):  # released after it, killed on a raise
+        env.resize(cfg.env.num_envs).wait()
+        policy = PolicyProbe.launch(cluster, placement["rollout"], cfg, *env.on(0).spaces().wait()[0],
+                                    run_dir=str(work_dir), host_with=env)
+        groups.append(policy)
+        for i in range(repeats + 1):  # the first warms up
+            out = env.rollout(policy, trajectories, cfg.rollout.steps, step, 1).wait()[0]
+            trajectories.get(key=0)
+            step += 1
+            if i:
+                seconds.append(out["seconds"])
+    return statistics.median(seconds), step
+
+
 def _table(cluster: Cluster, rows: dict, info: dict, num_envs: int) -> Profile:
     kind, memory = info["machine"]
     measurements = median_rows(rows, COMPONENTS)
@@ -181,7 +207,11 @@ def _table(cluster: Cluster, rows: dict, info: dict, num_envs: int) -> Profile:
     # every plan, so the transfer terms are zero
     # a wait is timed in the env worker, the compute inside the policy worker: at ~0 the difference can dip below 0
     shared = max(statistics.median(info["shared"]), 0.0) if info.get("shared") else 0.0
-    latency = LoopLatency(shared=shared, split=max(info.get("split", shared), 0.0))
+    cohosted = None
+    if "cohosted" in info:  # what the co-hosted rollout takes beyond the env's and the policy's own work
+        own = sum(statistics.median(x["seconds"] for x in rows[(c, num_envs, 1)]) for c in COMPONENTS[:2])
+        cohosted = max(info["cohosted"] - own, 0.0)
+    latency = LoopLatency(shared=shared, split=max(info.get("split", shared), 0.0), cohosted=cohosted)
     return Profile(flow="embodied", stages=COMPONENTS, loop=COMPONENTS[:2], loop_latency=latency, batch=num_envs,
                    machine=Machine(kind, cluster.num_devices, int(memory)), components=components,
                    measurements=measurements, transfer=Transfer(),

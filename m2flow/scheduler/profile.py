@@ -84,6 +84,13 @@ class LoopLatency:
 
     shared: float = 0.0
     split: float = 0.0
+    # the same with the policy in the env's process, as the flow runs one stage in lockstep on shared devices
+    # (`rollout.cohost`): no round trip between processes. None (not measured, or the flow does not co-host): shared
+    cohosted: float | None = None
+
+    def on_shared_devices(self, env_stages: int) -> float:
+        """The latency of a rollout with env and policy on the same devices in `env_stages` stages."""
+        return self.cohosted if env_stages == 1 and self.cohosted is not None else self.shared
 
 
 @dataclass
@@ -122,7 +129,7 @@ class Profile:
         weights = {"bytes": self.weights.bytes, "from": self.weights.source, "to": list(self.weights.to)}
         return {
             "flow": self.flow, "stages": list(self.stages), "loop": list(self.loop),
-            "loop_latency": asdict(self.loop_latency), "batch": self.batch,
+            "loop_latency": {k: v for k, v in asdict(self.loop_latency).items() if v is not None}, "batch": self.batch,
             "machine": asdict(self.machine), "transfer": asdict(self.transfer), "weights": weights,
             "components": {name: asdict(info) for name, info in self.components.items()},
             "measurements": [asdict(m) for m in self.measurements],
@@ -147,10 +154,11 @@ class Profile:
             r.fail("loop", f"must be the first two stages {list(stages[:2])} (they alternate every env step), "
                            f"got {list(loop)}")
         lat = data.get("loop_latency", {})
-        r.mapping(lat, "loop_latency", {"shared", "split"})
+        r.mapping(lat, "loop_latency", {"shared", "split", "cohosted"})
         loop_latency = LoopLatency(r.number(lat, "shared", "loop_latency", default=0.0),
-                                   r.number(lat, "split", "loop_latency", default=0.0))
-        if (loop_latency.shared or loop_latency.split) and not loop:
+                                   r.number(lat, "split", "loop_latency", default=0.0),
+                                   r.number(lat, "cohosted", "loop_latency") if "cohosted" in lat else None)
+        if (loop_latency.shared or loop_latency.split or loop_latency.cohosted) and not loop:
             r.fail("loop_latency", "is set, but the profile has no env<->rollout loop")
         batch = r.integer(data, "batch", minimum=1)
 

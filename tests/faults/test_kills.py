@@ -1,0 +1,140 @@
+"""Fault campaign, kills (issue 20): SIGKILL of a component's process in the middle of a run stops the run within
+seconds with an error naming the component, its rank and the dead process; `run.resume=true` then continues from
+the newest complete checkpoint. For the reasoning flow the resumed run's metrics and weights equal an uninterrupted
+run's. Each component runs in a process of its own here (no co-hosting), so the kill takes exactly that one."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from m2flow import config as C
+from m2flow.flows import embodied, reasoning
+from m2flow.runtime import WorkerError
+
+REASONING_SPLIT = "cluster.placement=rollout: 0; reward: 0; inference: 1; actor: 1"  # four processes
+EMBODIED_SPLIT = "cluster.placement=env: 0; rollout: 1; actor: 1"  # three processes (policy apart from the env)
+STEPS = 6
+
+
+def reasoning_cfg(tmp_path, name, *overrides):
+    return C.load(C.ReasoningConfig, None, [
+        f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.trace=false", f"run.steps={STEPS}",
+        "run.save_every=2", "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4",
+        "actor.micro_batch=8", "actor.lr=1e-3", "data.train_size=200", "data.eval_size=10",
+        "reward.fn=reward_fixtures:digit_fraction", "algorithm.kl_coef=0.01", REASONING_SPLIT, *overrides])
+
+
+def embodied_cfg(tmp_path, name, *overrides):
+    return C.load(C.EmbodiedConfig, "ppo_cartpole", [
+        f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.trace=false", f"run.steps={STEPS}",
+        "run.save_every=2", "run.stop_return=null", "eval.episodes=0", "env.num_envs=4", "rollout.steps=64",
+        EMBODIED_SPLIT, *overrides])
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def role_pid(role: str, timeout: float = 5.0) -> int | None:
+    """The pid of the worker process titled with `role` (`m2flow:actor:0`; co-hosted roles are joined with '+').
+    Ray retitles a process around each call and m2flow puts the role back twice a second: look for a while."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in psutil.process_iter(["cmdline"]):
+            title = " ".join(proc.info["cmdline"] or ()).strip()
+            if title.startswith("m2flow:") and role in title.removeprefix("m2flow:").split("+"):
+                return proc.pid
+        time.sleep(0.05)
+    return None
+
+
+def kill_after_checkpoint(run_dir, component: str, step: int = 2, timeout: float = 120.0) -> dict:
+    """Start a thread that SIGKILLs `component` rank 0 once the run's checkpoint of `step` is complete (the run is
+    then in its next step); returns what it did ({'pid': ...} or {'error': ...}) once the thread ends."""
+    done: dict = {}
+
+    def watch():
+        deadline = time.monotonic() + timeout
+        marker = run_dir / "checkpoints" / f"step_{step}" / "COMPLETE"
+        while not marker.exists():
+            if time.monotonic() > deadline:
+                done["error"] = f"no checkpoint of step {step} within {timeout:.0f} s"
+                return
+            time.sleep(0.01)
+        pid = role_pid(f"{component}:0")
+        if pid is None:
+            done["error"] = f"no process titled m2flow:{component}:0"
+            return
+        os.kill(pid, signal.SIGKILL)
+        done["pid"] = pid
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    done["thread"] = thread
+    return done
+
+
+def killed_run(train, cfg, cluster, run_dir, component: str) -> int:
+    """Run `cfg` while `component` is killed after the checkpoint of step 2: the run fails within seconds of the
+    kill with a WorkerError naming the component, rank 0 and the pid. Returns the newest complete checkpoint."""
+    kill = kill_after_checkpoint(run_dir, component)
+    with pytest.raises(WorkerError) as err:
+        train(cfg, cluster)
+    failed_at = time.monotonic()
+    kill["thread"].join(timeout=30)
+    assert "error" not in kill, kill.get("error")
+    text = str(err.value)
+    assert err.value.component == component and err.value.rank == 0, text
+    assert "process died" in text and str(kill["pid"]) in text, text
+    assert not psutil.pid_exists(kill["pid"]) or psutil.Process(kill["pid"]).status() == psutil.STATUS_ZOMBIE
+    assert time.monotonic() - failed_at < 5
+    steps = sorted(int(p.parent.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*/COMPLETE"))
+    assert steps and steps[-1] >= 2 and steps[-1] < STEPS, steps
+    return steps[-1]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory):
+    """The reasoning run that nothing interrupts, to compare the resumed ones with."""
+    tmp = tmp_path_factory.mktemp("kills")
+    reasoning.train(reasoning_cfg(tmp, "full"), cluster)
+    return tmp / "full"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("component", ["rollout", "reward", "inference", "actor"])
+def test_a_killed_reasoning_component_stops_the_run_and_resume_matches_an_uninterrupted_run(
+        cluster, tmp_path, uninterrupted, component):
+    run = tmp_path / "killed"
+    resumed_from = killed_run(reasoning.train, reasoning_cfg(tmp_path, "killed"), cluster, run, component)
+    reasoning.train(reasoning_cfg(tmp_path, "killed", "run.resume=true"), cluster)
+    full, parted = rows(uninterrupted), rows(run)
+    assert [r["step"] for r in parted] == list(range(1, STEPS + 1))
+    for a, b in zip(full[resumed_from:], parted[resumed_from:]):
+        for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl", "response/length_mean"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (component, a["step"], k, a[k], b[k])
+    wa = load_file(str(uninterrupted / "checkpoints" / f"step_{STEPS}" / "model" / "model.safetensors"))
+    wb = load_file(str(run / "checkpoints" / f"step_{STEPS}" / "model" / "model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("component", ["env", "rollout", "actor"])
+def test_a_killed_embodied_component_stops_the_run_and_resume_continues_from_the_checkpoint(
+        cluster, tmp_path, component):
+    run = tmp_path / "killed"
+    resumed_from = killed_run(embodied.train, embodied_cfg(tmp_path, "killed"), cluster, run, component)
+    before = rows(run)
+    embodied.train(embodied_cfg(tmp_path, "killed", "run.resume=true"), cluster)
+    after = rows(run)
+    assert [r["step"] for r in after] == list(range(1, STEPS + 1))
+    assert after[:resumed_from] == before[:resumed_from]  # the rows up to the checkpoint are kept as they were
+    assert after[resumed_from]["env_steps"] == after[resumed_from - 1]["env_steps"] + 4 * 64  # counted on from it
