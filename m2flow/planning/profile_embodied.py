@@ -7,7 +7,7 @@ less its waits for actions (stepping, bookkeeping, the trajectory put), the roll
 for those requests. The rest of each wait is the hand-overs' round trip, `loop_latency`: measured with env and policy
 on one device (`shared`) and, in one more lockstep rollout, on two (`split`); a pipeline hides the second, not the
 first. One more rollout with the policy in the env's process, as the flow runs one stage on shared devices, gives
-`cohosted`.
+`cohosted_scale`: its time as a share of the env and rollout rows.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _cohosted_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats:
                    step: int) -> tuple[float, int]:
     """The lockstep rollout at the full env count with the policy in the env worker's process, as the flow runs one
     stage on shared devices (`rollout.cohost`): the median of its seconds. Its requests are calls in that process,
-    so the policy's compute falls inside the env's own time; `_table` takes the env and rollout rows off it."""
+    so the policy's compute falls inside the env's own time; `_table` divides it by the env and rollout rows."""
     placement = parse_placement("env,rollout: 0", cluster.num_devices, COMPONENTS[:2])
     env = EnvProbe.launch(cluster, placement["env"], cfg, run_dir=str(work_dir))
     groups, seconds = [env], []
@@ -207,11 +207,11 @@ def _table(cluster: Cluster, rows: dict, info: dict, num_envs: int) -> Profile:
     # every plan, so the transfer terms are zero
     # a wait is timed in the env worker, the compute inside the policy worker: at ~0 the difference can dip below 0
     shared = max(statistics.median(info["shared"]), 0.0) if info.get("shared") else 0.0
-    cohosted = None
-    if "cohosted" in info:  # what the co-hosted rollout takes beyond the env's and the policy's own work
-        own = sum(statistics.median(x["seconds"] for x in rows[(c, num_envs, 1)]) for c in COMPONENTS[:2])
-        cohosted = max(info["cohosted"] - own, 0.0)
-    latency = LoopLatency(shared=shared, split=max(info.get("split", shared), 0.0), cohosted=cohosted)
+    scale = None
+    if "cohosted" in info:  # the co-hosted rollout against the env and rollout rows at that env count
+        rows_sum = sum(statistics.median(x["seconds"] for x in rows[(c, num_envs, 1)]) for c in COMPONENTS[:2])
+        scale = info["cohosted"] / rows_sum if rows_sum > 0 else 1.0
+    latency = LoopLatency(shared=shared, split=max(info.get("split", shared), 0.0), cohosted_scale=scale)
     return Profile(flow="embodied", stages=COMPONENTS, loop=COMPONENTS[:2], loop_latency=latency, batch=num_envs,
                    machine=Machine(kind, cluster.num_devices, int(memory)), components=components,
                    measurements=measurements, transfer=Transfer(),

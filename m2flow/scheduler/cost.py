@@ -271,9 +271,10 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, env_s
             if loop:
                 compute = 0.0
             elif p.loop:  # env and rollout on the same devices: the S stages take turns, so they add up
-                compute = env_stages * model.seconds(c, batch // env_stages, layout.devices(c))
-                if c == p.loop[1]:  # and every hand-over's round trip too (none between processes when co-hosted)
-                    compute += env_stages * p.loop_latency.on_shared_devices(env_stages)
+                scale, latency = p.loop_latency.on_shared_devices(env_stages)  # one stage: in one process
+                compute = env_stages * model.seconds(c, batch // env_stages, layout.devices(c)) * scale
+                if c == p.loop[1]:  # and every hand-over's round trip too
+                    compute += env_stages * latency
             elif c == head[0]:  # the source (rollout) runs the whole batch in one call; its outputs stream out
                 compute = model.seconds(c, batch, layout.devices(c)) / waves
             else:

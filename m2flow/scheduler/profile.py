@@ -84,13 +84,17 @@ class LoopLatency:
 
     shared: float = 0.0
     split: float = 0.0
-    # the same with the policy in the env's process, as the flow runs one stage in lockstep on shared devices
-    # (`rollout.cohost`): no round trip between processes. None (not measured, or the flow does not co-host): shared
-    cohosted: float | None = None
+    # one lockstep stage with the policy in the env's process, as the flow runs it on shared devices
+    # (`rollout.cohost`), takes this share of the env and rollout rows (timed in two processes, the requests' sends
+    # included) and pays no round trips. None (not measured, or the flow does not co-host): the rows + shared
+    cohosted_scale: float | None = None
 
-    def on_shared_devices(self, env_stages: int) -> float:
-        """The latency of a rollout with env and policy on the same devices in `env_stages` stages."""
-        return self.cohosted if env_stages == 1 and self.cohosted is not None else self.shared
+    def on_shared_devices(self, env_stages: int) -> tuple[float, float]:
+        """A rollout with env and policy on the same devices in `env_stages` stages: (the factor on the env and
+        rollout rows, the round trips' seconds per stage)."""
+        if env_stages == 1 and self.cohosted_scale is not None:
+            return self.cohosted_scale, 0.0
+        return 1.0, self.shared
 
 
 @dataclass
@@ -154,11 +158,11 @@ class Profile:
             r.fail("loop", f"must be the first two stages {list(stages[:2])} (they alternate every env step), "
                            f"got {list(loop)}")
         lat = data.get("loop_latency", {})
-        r.mapping(lat, "loop_latency", {"shared", "split", "cohosted"})
+        r.mapping(lat, "loop_latency", {"shared", "split", "cohosted_scale"})
         loop_latency = LoopLatency(r.number(lat, "shared", "loop_latency", default=0.0),
                                    r.number(lat, "split", "loop_latency", default=0.0),
-                                   r.number(lat, "cohosted", "loop_latency") if "cohosted" in lat else None)
-        if (loop_latency.shared or loop_latency.split or loop_latency.cohosted) and not loop:
+                                   r.number(lat, "cohosted_scale", "loop_latency") if "cohosted_scale" in lat else None)
+        if (loop_latency.shared or loop_latency.split or loop_latency.cohosted_scale is not None) and not loop:
             r.fail("loop_latency", "is set, but the profile has no env<->rollout loop")
         batch = r.integer(data, "batch", minimum=1)
 

@@ -99,21 +99,25 @@ def test_hand_over_latency_shared_and_split():
         Profile.from_dict({**base.to_dict(), "loop": [], "loop_latency": {"shared": 0.1}}, source="x.json")
 
 
-def test_one_stage_on_shared_devices_pays_the_cohosted_latency():
+def test_one_stage_on_shared_devices_is_charged_as_the_flow_runs_it_in_one_process():
     """The flow runs one lockstep stage on shared devices with the policy in the env's process (`rollout.cohost`):
-    such a plan pays `loop_latency.cohosted` instead of the two-process `shared` round trips; with 2 stages the
-    env and policy are separate processes again and pay `shared`. Unmeasured (old profiles), cohosted is `shared`."""
+    such a plan's env and rollout take `loop_latency.cohosted_scale` of their rows (timed in two processes) and pay
+    no `shared` round trips; with 2 stages env and policy are separate processes again (rows + shared). Unmeasured
+    (older profiles): rows + shared."""
     base = profile(env=1.0, policy=0.5, actor=0.05, slowdown=1.6)
-    tied = {(c.spec, c.env_stages): c.seconds for c in embodied_plans(base, 2).candidates}
-    p = Profile.from_dict({**base.to_dict(), "loop_latency": {"shared": 0.3, "split": 0.05, "cohosted": 0.01}},
+    tied = {(c.spec, c.env_stages): c for c in embodied_plans(base, 2).candidates}
+    p = Profile.from_dict({**base.to_dict(), "loop_latency": {"shared": 0.3, "split": 0.05, "cohosted_scale": 0.5}},
                           source="<hand-made>")
-    got = {(c.spec, c.env_stages): c.seconds for c in embodied_plans(p, 2).candidates}
-    assert got[("env,rollout: 0; actor: 1", 1)] == pytest.approx(tied[("env,rollout: 0; actor: 1", 1)] + 0.01)
-    assert got[("env,rollout: 0; actor: 1", 2)] == pytest.approx(tied[("env,rollout: 0; actor: 1", 2)] + 2 * 0.3)
-    assert got[("env: 0; rollout,actor: 1", 1)] == pytest.approx(tied[("env: 0; rollout,actor: 1", 1)] + 0.05)
-    assert p.to_dict()["loop_latency"] == {"shared": 0.3, "split": 0.05, "cohosted": 0.01}
-    assert p.loop_latency.on_shared_devices(1) == 0.01 and p.loop_latency.on_shared_devices(2) == 0.3
+    got = {(c.spec, c.env_stages): c for c in embodied_plans(p, 2).candidates}
+    one, two = ("env,rollout: 0; actor: 1", 1), ("env,rollout: 0; actor: 1", 2)
+    rows = tied[one].prediction.busy["env"] + tied[one].prediction.busy["rollout"]  # the base has no latencies
+    assert got[one].seconds == pytest.approx(tied[one].seconds - 0.5 * rows)
+    assert got[two].seconds == pytest.approx(tied[two].seconds + 2 * 0.3)
+    assert got[("env: 0; rollout,actor: 1", 1)].seconds == pytest.approx(tied[("env: 0; rollout,actor: 1", 1)].seconds
+                                                                         + 0.05)
+    assert p.to_dict()["loop_latency"] == {"shared": 0.3, "split": 0.05, "cohosted_scale": 0.5}
+    assert p.loop_latency.on_shared_devices(1) == (0.5, 0.0) and p.loop_latency.on_shared_devices(2) == (1.0, 0.3)
     old = Profile.from_dict({**base.to_dict(), "loop_latency": {"shared": 0.3}}, source="<old>")
-    assert old.loop_latency.cohosted is None and old.loop_latency.on_shared_devices(1) == 0.3
-    with pytest.raises(Exception, match=r"x.json: loop_latency.cohosted must be >= 0.0, got -1"):
-        Profile.from_dict({**base.to_dict(), "loop_latency": {"cohosted": -1}}, source="x.json")
+    assert old.loop_latency.cohosted_scale is None and old.loop_latency.on_shared_devices(1) == (1.0, 0.3)
+    with pytest.raises(Exception, match=r"x.json: loop_latency.cohosted_scale must be >= 0.0, got -1"):
+        Profile.from_dict({**base.to_dict(), "loop_latency": {"cohosted_scale": -1}}, source="x.json")
