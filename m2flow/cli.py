@@ -82,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(worker_failure(err), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the flow has killed its workers on the way out (runtime.running)
+        if debug:
+            raise
+        print("m2flow: interrupted" + (RESUME_HINT if args.command == "train" else ""), file=sys.stderr)
+        return 130
+
+
+RESUME_HINT = ("; the run's workers are stopped and its checkpoints kept: run the same command with run.resume=true "
+               "to continue from the newest one")
 
 
 def worker_failure(err, lines: int = 6) -> str:
