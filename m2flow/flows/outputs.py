@@ -4,6 +4,7 @@ checkpoints, trace. Flows call it; it never trains or schedules anything.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import math
@@ -107,7 +108,34 @@ class RunDir:
         self._tb = None
 
     # -- metrics -------------------------------------------------------------------------------
+    def _disk_full(self, err: BaseException, what: str) -> C.UserError | None:
+        """The error to raise instead of `err` when writing `what` failed because the run's disk is full: errno
+        ENOSPC anywhere in its chain or its text (a worker's error arrives as text), or under 1 MiB left on the
+        disk (torch's writer says only 'unexpected pos'). None: some other failure."""
+        chain, e = [], err
+        while e is not None and len(chain) < 8:
+            chain.append(e)
+            e = e.__cause__ or e.__context__
+        full = any(getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e) for e in chain)
+        try:
+            free = shutil.disk_usage(self.path).free
+        except OSError:
+            free = -1
+        if not full and not 0 <= free < 1 << 20:
+            return None
+        found = self.latest_checkpoint()
+        kept = f"the newest complete checkpoint, step_{found[0]}, is kept" if found else "no checkpoint was written yet"
+        return C.UserError(f"{what}: no space left on the disk holding {self.path} ({free:,} bytes free); {kept}: "
+                           f"free some space, then run the same command with run.resume=true")
+
     def log(self, step: int, metrics: dict) -> None:
+        """Append one line to metrics.jsonl and the finite scalars to TensorBoard (a full disk: a UserError)."""
+        try:
+            self._log(step, metrics)
+        except OSError as err:
+            raise self._disk_full(err, f"step {step}'s metrics") or err
+
+    def _log(self, step: int, metrics: dict) -> None:
         """Append one line to metrics.jsonl and the finite scalars to TensorBoard, as one event: a summary per
         scalar (SummaryWriter.add_scalar) costs ~0.1 ms each, 3 ms a step for 30 metrics, 2% of a CartPole step."""
         from tensorboard.compat.proto.summary_pb2 import Summary
@@ -175,9 +203,16 @@ class RunDir:
         final = self.path / "checkpoints" / f"step_{step}"
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        write(tmp)
-        (tmp / "COMPLETE").write_text(str(step))
+        try:
+            tmp.mkdir(parents=True)
+            write(tmp)
+            (tmp / "COMPLETE").write_text(str(step))
+        except Exception as err:
+            full = self._disk_full(err, f"checkpoint step_{step}")
+            shutil.rmtree(tmp, ignore_errors=True)  # never loaded; on a full disk its space is wanted back
+            if full:
+                raise full from err
+            raise
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -188,8 +223,12 @@ class RunDir:
         return latest_checkpoint(self.path)
 
     def close(self) -> None:
+        """Close the TensorBoard writer; never raises (a full disk must not hide the error that stopped the run)."""
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError:
+                pass
             self._tb = None
 
 

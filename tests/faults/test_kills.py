@@ -31,7 +31,7 @@ def reasoning_cfg(tmp_path, name, *overrides):
         f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.trace=false", f"run.steps={STEPS}",
         "run.save_every=2", "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4",
         "actor.micro_batch=8", "actor.lr=1e-3", "data.train_size=200", "data.eval_size=10",
-        "reward.fn=reward_fixtures:digit_fraction", "algorithm.kl_coef=0.01", REASONING_SPLIT, *overrides])
+        "reward.fn=faulty_rewards:share_of_digits", "algorithm.kl_coef=0.01", REASONING_SPLIT, *overrides])
 
 
 def embodied_cfg(tmp_path, name, *overrides):
