@@ -27,3 +27,25 @@ class Hang(gym.Env):
 
 
 gym.register("Hang-v0", entry_point=Hang, max_episode_steps=100)
+
+
+class Broken(Hang):
+    """CartPole-shaped; after `after` steps its `step` raises (`mode="raise"`, a simulator that crashes) or returns
+    a NaN observation (`mode="nan"`, a simulator that blew up)."""
+
+    def __init__(self, after: int = 5, mode: str = "raise", render_mode=None):
+        super().__init__(after, render_mode)
+        self.mode = mode
+
+    def step(self, action):
+        self.steps += 1
+        obs = np.full(4, 0.1, np.float32)
+        if self.steps > self.after:
+            if self.mode == "raise":
+                raise RuntimeError(f"simulator crashed at step {self.steps}")
+            obs[2] = np.nan
+        return obs, 1.0, False, False, {}
+
+
+gym.register("Raises-v0", entry_point=Broken, max_episode_steps=100, kwargs={"mode": "raise"})
+gym.register("NaNObs-v0", entry_point=Broken, max_episode_steps=100, kwargs={"mode": "nan"})

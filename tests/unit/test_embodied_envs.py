@@ -156,7 +156,7 @@ def test_non_finite_data_names_env_index_and_step(field):
     g.reset()
     g.step(np.zeros((2, 1), np.float32))
     g.step(np.zeros((2, 1), np.float32))
-    with pytest.raises(ValueError, match=rf"{TOY}: non-finite {field} from env 1 at step \(env step 3, episode step"):
+    with pytest.raises(ValueError, match=rf"{TOY}: non-finite {field} from env 1 at step \(env step 3, episode step 3\)"):
         g.step(np.zeros((2, 1), np.float32))
 
 

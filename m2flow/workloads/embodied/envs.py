@@ -343,11 +343,11 @@ class EnvGroup:
             for c in range(acts.shape[1]):
                 obs, reward, term, trunc, info = env.step(acts[j, c])
                 s.env_steps[i] += 1
+                s.ep_length[i] += 1
                 env_steps[j] += 1
-                self._check_finite(i, obs, reward, "step")
+                self._check_finite(i, obs, reward, "step")  # names this step: its env and episode step counts
                 raw_reward[j] += float(reward)
                 s.ep_return[i] += float(reward)
-                s.ep_length[i] += 1
                 success = info.get("success", info.get("is_success"))
                 if success is not None:
                     s.reports_success[i] = True
