@@ -359,6 +359,13 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_normalizer(tmp_pat
     for p in s1["state"]:
         assert torch.equal(s1["state"][p]["exp_avg_sq"], s2["state"][p]["exp_avg_sq"])
     assert actor2.version == actor.version == 1
+    box = Inbox()  # the next update on the same trajectories: the same minibatch order and the same weights
+    env.rollout(LocalPolicy(policy), box, cfg.rollout.steps, 1, 2)
+    ours, theirs = actor.train(box, 1, 1), actor2.train(box, 1, 1)
+    ours.pop("time/update"), theirs.pop("time/update")
+    assert ours == theirs
+    for k, v in actor.policy.state_dict().items():
+        assert torch.equal(actor2.policy.state_dict()[k], v), k
 
     result = evaluate_checkpoint(tmp_path, episodes=3)
     assert result["episodes"] == 3 and result["return_mean"] > 0 and "success_rate" not in result
