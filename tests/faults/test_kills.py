@@ -58,22 +58,30 @@ def role_pid(role: str, timeout: float = 5.0) -> int | None:
     return None
 
 
-def kill_after_checkpoint(run_dir, component: str, step: int = 2, timeout: float = 120.0) -> dict:
+def kill_after_checkpoint(run_dir, component: str, step: int = 2, during: int | None = None,
+                          timeout: float = 120.0) -> dict:
     """Start a thread that SIGKILLs `component` rank 0 once the run's checkpoint of `step` is complete (the run is
-    then in its next step); returns what it did ({'pid': ...} or {'error': ...}) once the thread ends."""
+    then in its next step), or with `during=N` once the checkpoint of step N has begun (its `step_N.tmp` folder is
+    there); returns what it did ({'pid': ...} or {'error': ...}) once the thread ends."""
     done: dict = {}
 
-    def watch():
+    def wait_for(path, what) -> bool:
         deadline = time.monotonic() + timeout
-        marker = run_dir / "checkpoints" / f"step_{step}" / "COMPLETE"
-        while not marker.exists():
+        while not path.exists():
             if time.monotonic() > deadline:
-                done["error"] = f"no checkpoint of step {step} within {timeout:.0f} s"
-                return
-            time.sleep(0.01)
+                done["error"] = f"no {what} within {timeout:.0f} s"
+                return False
+            time.sleep(0.001)
+        return True
+
+    def watch():
+        if not wait_for(run_dir / "checkpoints" / f"step_{step}" / "COMPLETE", f"checkpoint of step {step}"):
+            return
         pid = role_pid(f"{component}:0")
         if pid is None:
             done["error"] = f"no process titled m2flow:{component}:0"
+            return
+        if during and not wait_for(run_dir / "checkpoints" / f"step_{during}.tmp", f"checkpoint of step {during}"):
             return
         os.kill(pid, signal.SIGKILL)
         done["pid"] = pid
@@ -84,10 +92,11 @@ def kill_after_checkpoint(run_dir, component: str, step: int = 2, timeout: float
     return done
 
 
-def killed_run(train, cfg, cluster, run_dir, component: str) -> int:
-    """Run `cfg` while `component` is killed after the checkpoint of step 2: the run fails within seconds of the
-    kill with a WorkerError naming the component, rank 0 and the pid. Returns the newest complete checkpoint."""
-    kill = kill_after_checkpoint(run_dir, component)
+def killed_run(train, cfg, cluster, run_dir, component: str, during: int | None = None) -> int:
+    """Run `cfg` while `component` is killed after the checkpoint of step 2 (or while that of step `during` is
+    written): the run fails within seconds of the kill with a WorkerError naming the component, rank 0 and the pid.
+    Returns the newest complete checkpoint."""
+    kill = kill_after_checkpoint(run_dir, component, during=during)
     with pytest.raises(WorkerError) as err:
         train(cfg, cluster)
     failed_at = time.monotonic()
@@ -127,6 +136,24 @@ def test_a_killed_reasoning_component_stops_the_run_and_resume_matches_an_uninte
     wb = load_file(str(run / "checkpoints" / f"step_{STEPS}" / "model" / "model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_an_actor_killed_while_it_writes_a_checkpoint_leaves_the_previous_one_to_resume_from(cluster, tmp_path,
+                                                                                              uninterrupted):
+    """The reasoning actor dies while it writes the checkpoint of step 4 (model, optimizer shards): that checkpoint
+    never becomes complete, and resume continues from step 2's to the uninterrupted run's metrics and weights."""
+    run = tmp_path / "killed"
+    resumed_from = killed_run(reasoning.train, reasoning_cfg(tmp_path, "killed"), cluster, run, "actor", during=4)
+    assert resumed_from == 2  # step 4's was cut off in the middle: the driver removed its partial folder
+    assert not (run / "checkpoints" / "step_4.tmp").exists() and not (run / "checkpoints" / "step_4").exists()
+    reasoning.train(reasoning_cfg(tmp_path, "killed", "run.resume=true"), cluster)
+    full, parted = rows(uninterrupted), rows(run)
+    assert [r["step"] for r in parted] == list(range(1, STEPS + 1))
+    for a, b in zip(full[2:], parted[2:]):
+        for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k, a[k], b[k])
+    assert (run / "checkpoints" / "step_4" / "COMPLETE").exists()
 
 
 @pytest.mark.timeout(300)
