@@ -1,7 +1,8 @@
-"""Fault campaign, a full disk (issue 20): the run's disk fills up in the middle of a run. The run stops with one
-error naming the disk, the bytes left and the newest complete checkpoint, which stays valid; no partial checkpoint
-is left behind; once space is freed, `run.resume=true` continues. Needs a small tmpfs (root with CAP_SYS_ADMIN, as
-on the development and CI machines); skipped where it cannot be mounted."""
+"""Fault campaign, the run's disk (issue 20): it fills up in the middle of a run. The run stops with one error
+naming the disk, the bytes left and the newest complete checkpoint, which stays valid; no partial checkpoint is left
+behind; once space is freed, `run.resume=true` continues. A read-only run directory is refused before anything
+starts. Needs a small tmpfs (root with CAP_SYS_ADMIN, as on the development and CI machines); skipped where it
+cannot be mounted."""
 
 import json
 import subprocess
@@ -97,3 +98,29 @@ def test_a_full_disk_stops_a_reasoning_run_keeping_its_checkpoint(cluster, small
         "reward.fn=faulty_rewards:share_of_digits", "cluster.placement=rollout,reward,inference,actor: 0-1:0"])
     newest = stopped_by_a_full_disk(reasoning.train, cfg, cluster, small_disk)
     assert load_file(str(small_disk / "r" / "checkpoints" / f"step_{newest}" / "model" / "model.safetensors"))
+
+
+def test_a_read_only_run_directory_is_refused_in_one_line_before_ray_starts(tmp_path, capsys):
+    """A run directory on a read-only file system (root ignores permission bits, so a read-only mount): exit code
+    2, one line naming the directory and why, before the cluster or the warm start."""
+    import ray
+    import torch
+
+    from m2flow.cli import main
+
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)], capture_output=True,
+                          text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.strip()}")
+    started, threads = ray.is_initialized(), torch.get_num_threads()
+    try:
+        code = main(["train", "ppo_cartpole", f"run.dir={disk}", "run.name=r", "run.progress=false"])
+    finally:
+        torch.set_num_threads(threads)  # main() sets the driver's to 1
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (f"m2flow: error: run directory {disk / 'r'} cannot be written (Read-only file "
+                                 "system); choose another run.dir or run.name"), err
+    assert ray.is_initialized() == started
