@@ -194,13 +194,16 @@ _NOT_REMOTE = {"launch", "device_phase", "span", "tracer", "close"}
 
 
 def _run(fn, *args, **kwargs) -> tuple:
-    """Run fn in the worker: ("ok", result, seconds) or ("err", exc type name, message, traceback, seconds)."""
+    """Run fn in the worker: ("ok", result, seconds) or ("err", exc type name, message, traceback, seconds, nested):
+    `nested` is the WorkerError itself when fn failed because a worker it called failed (else None)."""
     start = time.perf_counter()
     try:
         return "ok", fn(*args, **kwargs), time.perf_counter() - start
     except BaseException as e:  # noqa: BLE001 - everything goes back to the driver
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
-        return "err", type(e).__name__, f"{type(e).__name__}: {e}", tb, time.perf_counter() - start
+        # by name: Ray may run this function from a by-value copy of the module, with its own WorkerError class
+        nested = e if type(e).__name__ == "WorkerError" and hasattr(e, "component") else None
+        return "err", type(e).__name__, f"{type(e).__name__}: {e}", tb, time.perf_counter() - start, nested
 
 
 def _pin_process(cores: Sequence[int]) -> None:
@@ -416,8 +419,14 @@ class Handle:
         if out[0] == "ok":
             self._outcomes[pos] = out
             return
-        _, exc_type, message, tb, _wall = out
-        error = WorkerError(self.group.component, self.ranks[pos], f"{self.method}() raised {message}", tb, exc_type)
+        _, exc_type, message, tb, _wall, nested = out
+        if nested is not None:  # it failed because a worker it called failed: name that one, the root cause
+            error = WorkerError(nested.component, nested.rank, f"{nested.message} (while {self.group.component} rank "
+                                f"{self.ranks[pos]} waited on it in {self.method}())", nested.remote_traceback,
+                                nested.exc_type)
+        else:
+            error = WorkerError(self.group.component, self.ranks[pos], f"{self.method}() raised {message}", tb,
+                                exc_type)
         self._failures[pos] = error
         raise error
 

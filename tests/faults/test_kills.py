@@ -75,11 +75,12 @@ def kill_after_checkpoint(run_dir, component: str, step: int = 2, during: int | 
         return True
 
     def watch():
-        if not wait_for(run_dir / "checkpoints" / f"step_{step}" / "COMPLETE", f"checkpoint of step {step}"):
-            return
-        pid = role_pid(f"{component}:0")
+        # the pid first, while the run starts: in a busy process the title is Ray's for all but moments
+        pid = role_pid(f"{component}:0", timeout=timeout)
         if pid is None:
             done["error"] = f"no process titled m2flow:{component}:0"
+            return
+        if not wait_for(run_dir / "checkpoints" / f"step_{step}" / "COMPLETE", f"checkpoint of step {step}"):
             return
         if during and not wait_for(run_dir / "checkpoints" / f"step_{during}.tmp", f"checkpoint of step {during}"):
             return

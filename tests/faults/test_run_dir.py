@@ -103,20 +103,31 @@ def test_resume_and_overwrite_together_is_a_config_error():
 
 
 def test_a_checkpoint_cut_off_mid_write_is_never_picked(tmp_path):
-    """A crash while checkpoint 4 is written leaves step_4.tmp (and a folder without COMPLETE may be left by hand or
-    by an older version): resume picks step 2, the last complete one."""
+    """A write that fails removes its partial step_N.tmp (a full disk says so, naming the checkpoint kept; another
+    error goes up as it is); a driver killed mid-write leaves one, and a folder without COMPLETE may be left by hand
+    or by an older version: resume picks step 2, the last complete one."""
     from m2flow.flows.outputs import RunDir, latest_checkpoint
 
     run = RunDir(tmp_path / "r", C.load(C.ReasoningConfig))
     run.save_checkpoint(2, lambda d: (d / "weights").write_text("two"))
+    ckpts = tmp_path / "r" / "checkpoints"
 
-    def crash(d):
-        (d / "weights").write_text("four, half")
-        raise OSError(28, "No space left on device")
+    def crash(error):
+        def write(d):
+            (d / "weights").write_text("four, half")
+            raise error
+        return write
 
-    with pytest.raises(OSError, match="No space left"):
-        run.save_checkpoint(4, crash)
-    (tmp_path / "r" / "checkpoints" / "step_6").mkdir()  # no COMPLETE marker
+    with pytest.raises(C.UserError, match=r"checkpoint step_4: no space left on the disk holding .* the newest "
+                                          r"complete checkpoint, step_2, is kept"):
+        run.save_checkpoint(4, crash(OSError(28, "No space left on device")))
+    assert not (ckpts / "step_4.tmp").exists()
+    with pytest.raises(RuntimeError, match="a worker failed"):
+        run.save_checkpoint(4, crash(RuntimeError("a worker failed")))
+    assert not (ckpts / "step_4.tmp").exists()
+    (ckpts / "step_4.tmp").mkdir()  # what a driver killed in the middle of the write leaves
+    (ckpts / "step_4.tmp" / "weights").write_text("four, half")
+    (ckpts / "step_6").mkdir()  # no COMPLETE marker
     step, path = latest_checkpoint(tmp_path / "r")
     assert step == 2 and (path / "weights").read_text() == "two"
     assert not (tmp_path / "r" / "checkpoints" / "step_4").exists()

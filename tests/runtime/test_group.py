@@ -88,6 +88,11 @@ class Victim(Worker):
         return "woke"
 
 
+class Caller(Worker):
+    def ask(self, other, x):
+        return other.add(x).wait()[0]
+
+
 class BadInit(Worker):
     def __init__(self):
         raise RuntimeError(f"cannot start on rank {self.rank}")
@@ -251,6 +256,23 @@ def test_sigkill_surfaces_as_worker_error_and_wait_all_fails_fast(cluster):
         victims.kill()
     with pytest.raises(WorkerError, match="victim rank 0: process died"):
         blocked.wait(timeout=30)
+
+
+def test_a_worker_that_fails_because_a_worker_it_called_failed_names_that_one(cluster, calc):
+    """A worker's call into another group fails there: the driver's error names the root cause (component, rank,
+    what it raised, its traceback) and says who was waiting on it, instead of the caller's wrapped error."""
+    caller = Caller.launch(cluster, ComponentPlacement("caller", ((0,),)))
+    try:
+        assert caller.ask(calc.on(1), 1).wait()[0] == 102
+        with pytest.raises(WorkerError) as err:
+            caller.ask(calc.on(1), "x").wait()
+        e = err.value
+        assert (e.component, e.rank, e.exc_type) == ("calc", 1, "TypeError"), str(e)
+        assert e.message.startswith("add() raised TypeError") and e.message.endswith(
+            "(while caller rank 0 waited on it in ask())"), e.message
+        assert "in add" in e.remote_traceback
+    finally:
+        release_all([caller])
 
 
 def test_kill_returns_once_the_processes_are_dead(cluster):
