@@ -151,46 +151,42 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
     return profile
 
 
-def _split_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int, step: int) -> tuple[float, int]:
-    """The lockstep rollout at the full env count with the policy on a device of its own (`env: 0; rollout: 1`): the
-    median of its waits for actions beyond the policy's compute (the hand-overs' round trips between devices)."""
-    placement = parse_placement("env: 0; rollout: 1", cluster.num_devices, COMPONENTS[:2])
+def _lockstep_rollouts(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int, step: int, spec: str,
+                       cohost: bool = False) -> tuple[list[dict], int]:
+    """`repeats` lockstep rollouts at the full env count (after a warm-up one) with env and policy placed by `spec`
+    (`env: 0; rollout: 1`, or `env,rollout: 0`), the policy in the env worker's process when `cohost`, as the flow
+    runs one stage on shared devices. Returns the env worker's outcomes and the next step."""
+    placement = parse_placement(spec, cluster.num_devices, COMPONENTS[:2])
     env = EnvProbe.launch(cluster, placement["env"], cfg, run_dir=str(work_dir))
-    groups, waits = [env], []
+    groups, outs = [env], []
     with running(groups):  # released after it, killed on a raise
         env.resize(cfg.env.num_envs).wait()
         policy = PolicyProbe.launch(cluster, placement["rollout"], cfg, *env.on(0).spaces().wait()[0],
-                                    run_dir=str(work_dir))
+                                    run_dir=str(work_dir), host_with=env if cohost else None)
         groups.append(policy)
         for i in range(repeats + 1):  # the first warms up
             out = env.rollout(policy, trajectories, cfg.rollout.steps, step, 1).wait()[0]
             trajectories.get(key=0)
             step += 1
             if i:
-                waits.append(out["wait_time"] - out["policy_time"])
-    return statistics.median(waits), step
+                outs.append(out)
+    return outs, step
+
+
+def _split_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int, step: int) -> tuple[float, int]:
+    """The lockstep rollout with the policy on a device of its own (`env: 0; rollout: 1`): the median of its waits
+    for actions beyond the policy's compute (the hand-overs' round trips between devices)."""
+    outs, step = _lockstep_rollouts(cfg, cluster, trajectories, work_dir, repeats, step, "env: 0; rollout: 1")
+    return statistics.median(o["wait_time"] - o["policy_time"] for o in outs), step
 
 
 def _cohosted_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int,
                    step: int) -> tuple[float, int]:
-    """The lockstep rollout at the full env count with the policy in the env worker's process, as the flow runs one
-    stage on shared devices (`rollout.cohost`): the median of its seconds. Its requests are calls in that process,
-    so the policy's compute falls inside the env's own time; `_table` divides it by the env and rollout rows."""
-    placement = parse_placement("env,rollout: 0", cluster.num_devices, COMPONENTS[:2])
-    env = EnvProbe.launch(cluster, placement["env"], cfg, run_dir=str(work_dir))
-    groups, seconds = [env], []
-    with running(groups):  # released after it, killed on a raise
-        env.resize(cfg.env.num_envs).wait()
-        policy = PolicyProbe.launch(cluster, placement["rollout"], cfg, *env.on(0).spaces().wait()[0],
-                                    run_dir=str(work_dir), host_with=env)
-        groups.append(policy)
-        for i in range(repeats + 1):  # the first warms up
-            out = env.rollout(policy, trajectories, cfg.rollout.steps, step, 1).wait()[0]
-            trajectories.get(key=0)
-            step += 1
-            if i:
-                seconds.append(out["seconds"])
-    return statistics.median(seconds), step
+    """The lockstep rollout with the policy in the env worker's process (`rollout.cohost`): the median of its
+    seconds. Its requests are calls in that process, so the policy's compute falls inside the env's own time;
+    `_table` divides it by the env and rollout rows."""
+    outs, step = _lockstep_rollouts(cfg, cluster, trajectories, work_dir, repeats, step, "env,rollout: 0", cohost=True)
+    return statistics.median(o["seconds"] for o in outs), step
 
 
 def _table(cluster: Cluster, rows: dict, info: dict, num_envs: int) -> Profile:

@@ -18,14 +18,18 @@ from m2flow.flows import embodied, reasoning
 STEPS = 40
 
 
+def mount_tmpfs(path, options: str):
+    """Mount a tmpfs with `options` on the new folder `path`; skip the test where that is not allowed."""
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs ({options}) here: {done.stderr.strip()}")
+    return path
+
+
 @pytest.fixture
 def small_disk(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True,
-                          text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    disk = mount_tmpfs(tmp_path / "disk", "size=64m")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=False)
 
@@ -108,12 +112,7 @@ def test_a_read_only_run_directory_is_refused_in_one_line_before_ray_starts(tmp_
 
     from m2flow.cli import main
 
-    disk = tmp_path / "ro"
-    disk.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)], capture_output=True,
-                          text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.strip()}")
+    disk = mount_tmpfs(tmp_path / "ro", "ro,size=1m")
     started, threads = ray.is_initialized(), torch.get_num_threads()
     try:
         code = main(["train", "ppo_cartpole", f"run.dir={disk}", "run.name=r", "run.progress=false"])
