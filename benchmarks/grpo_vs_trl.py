@@ -42,13 +42,31 @@ from m2flow.workloads.reasoning.rewards import exact_match
 from m2flow.workloads.reasoning.tasks import build_datasets
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-PLANS = {  # name -> cluster.placement over two CPU devices, each half of the cores (one core each on 2 cores)
-    "pipelined": "rollout: 0; reward,inference,actor: 1",
-    "collocated": "rollout,reward,inference,actor: 0-1:0",
-    "pipelined_async": "rollout: 0; reward,inference,actor: 1",
-    "collocated_async": "rollout,reward,inference,actor: 0-1:0",
-    "collocated_unshared": "rollout,reward,inference,actor: 0-1:0",
+PLANS = {  # name -> cluster.placement over D CPU devices of equal core slices (D = --cpu-devices, default 2)
+    "pipelined": "rollout: 0; reward,inference,actor: {rest}",  # {rest}: devices 1..D-1
+    "collocated": "rollout,reward,inference,actor: 0-{last}:0",  # all D devices, one process (rollout.cohost)
+    "pipelined_async": "rollout: 0; reward,inference,actor: {rest}",
+    "collocated_async": "rollout,reward,inference,actor: 0-{last}:0",
+    "collocated_unshared": "rollout,reward,inference,actor: 0-{last}:0",
 }
+
+
+def device_sizes(text: str) -> int | list[int]:
+    """--cpu-devices: '2' (a count) or '1,3' (each device's cores)."""
+    sizes = [int(x) for x in text.split(",")]
+    return sizes if len(sizes) > 1 else sizes[0]
+
+
+def device_count(cpu_devices: int | list[int]) -> int:
+    return len(cpu_devices) if isinstance(cpu_devices, list) else cpu_devices
+
+
+def placement(plan: str, cpu_devices: int | list[int]) -> str:
+    """The plan's cluster.placement on these CPU devices (on 2: rollout alone on device 0 when pipelined)."""
+    devices = device_count(cpu_devices)
+    return PLANS[plan].format(last=devices - 1, rest="1" if devices == 2 else f"1-{devices - 1}")
+
+
 STALENESS = {"pipelined_async": 1, "collocated_async": 1}  # algorithm.max_staleness per plan (0 when absent)
 EXTRA = {"collocated_unshared": ["actor.share_prompts=false"]}  # every prompt forwarded once per sample, as TRL does
 
@@ -135,7 +153,7 @@ def run_m2flow(args, out: Path, model_path: str, plan: str, cluster) -> dict:
     cfg = make_cfg(args, out, f"m2flow_{plan}", [f"model.path={model_path}", "sft.steps=0",
                                                  f"algorithm.max_staleness={STALENESS.get(plan, 0)}",
                                                  *EXTRA.get(plan, [])])
-    cfg.cluster.placement = PLANS[plan]
+    cfg.cluster.placement = placement(plan, args.cpu_devices)
     shutil.rmtree(cfg.run.path, ignore_errors=True)
     t = time.perf_counter()
     result = train(cfg, cluster)
@@ -280,11 +298,15 @@ def print_table(runs: dict[str, list[dict]], ratios: dict[str, list[float]], ste
 
 
 def main() -> int:
+    global BUSY  # --busy-load
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20, help="GRPO steps per run")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds: every system runs once per round")
     ap.add_argument("--settle", type=float, default=120, help="before each run, wait up to this many seconds for the "
                     "1-minute load average to fall to 1.0 (the previous run's own load lingers in it)")
+    ap.add_argument("--busy-load", type=float, default=BUSY, help="the 1-minute load average above which a run counts "
+                    "as disturbed (1.0 suits a dedicated 2-core machine; on a dedicated machine with more cores, where "
+                    "the previous run's own load lingers, raise it)")
     ap.add_argument("--sft-steps", type=int, default=800, help="SFT warm-start steps of the shared start model")
     ap.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny Qwen2")
     ap.add_argument("--layers", type=int, default=2, help="layers of the tiny Qwen2")
@@ -302,6 +324,9 @@ def main() -> int:
     ap.add_argument("--plans", nargs="+", default=[p for p in PLANS if p not in EXTRA], choices=list(PLANS),
                     help="m2flow plans to run (*_async: algorithm.max_staleness=1; collocated_unshared: "
                          "actor.share_prompts=false)")
+    ap.add_argument("--cpu-devices", type=device_sizes, default=2, help="CPU devices m2flow splits the cores into: "
+                    "a count (equal slices) or each device's cores, e.g. 1,3 (cluster.cpu_devices); pipelined plans "
+                    "put the rollout on device 0 and the other stages on the rest")
     ap.add_argument("--no-trl", action="store_true", help="run m2flow only")
     ap.add_argument("--trl-threads", type=int, default=CORES, help="torch threads of the TRL process (default: all cores)")
     ap.add_argument("--eval-size", type=int, default=500, help="held-out problems (greedy pass@1, pass@8)")
@@ -309,12 +334,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="CI-sized smoke: 1 round of 3 steps, 8 prompts x 4, "
                     "20 SFT steps, 32 held-out problems")
     args = ap.parse_args()
+    BUSY = args.busy_load
     if args.quick:
         args.steps, args.sft_steps, args.prompts, args.n, args.rounds = 3, 20, 8, 4, 1
         args.eval_size = 32
     if min(args.steps, args.prompts, args.max_new_tokens, args.trl_threads, args.eval_size, args.rounds) < 1 \
-            or args.n < 2:
-        ap.error("need --steps, --rounds, --prompts, --max-new-tokens, --trl-threads, --eval-size >= 1 and --n >= 2")
+            or args.n < 2 or device_count(args.cpu_devices) < 2:
+        ap.error("need --steps, --rounds, --prompts, --max-new-tokens, --trl-threads, --eval-size >= 1, "
+                 "--n >= 2 and --cpu-devices >= 2")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no weight-loading bars in Ray workers (they inherit it)
@@ -357,10 +384,11 @@ def main() -> int:
 
     for i in range(args.rounds):
         if args.plans:
-            cluster = Cluster(cpu_devices=2)  # m2flow and TRL both get every core
+            cluster = Cluster(cpu_devices=args.cpu_devices)  # m2flow and TRL both get every core
             try:
                 if i == 0:
-                    print(f"  {cluster!r}; plans: " + "; ".join(f"{p} = '{PLANS[p]}'" for p in args.plans), flush=True)
+                    plans = "; ".join(f"{p} = '{placement(p, args.cpu_devices)}'" for p in args.plans)
+                    print(f"  {cluster!r}; plans: {plans}", flush=True)
                 for plan in args.plans:
                     attempt(f"m2flow {plan}", lambda plan=plan: run_m2flow(args, out, model_path, plan, cluster), i == 0)
             finally:
@@ -379,12 +407,12 @@ def main() -> int:
               "systems": {n: [{k: v for k, v in r.items() if k != "cfg"} for r in rs] for n, rs in runs.items()}}
     (out / "results.json").write_text(json.dumps(record, indent=1))
     for plan in args.plans:
-        print(f"m2flow {plan}: cluster.placement '{PLANS[plan]}'"
+        print(f"m2flow {plan}: cluster.placement '{placement(plan, args.cpu_devices)}'"
               + (f", algorithm.max_staleness={STALENESS[plan]}" if plan in STALENESS else ""))
-    half = max(1, CORES // 2)
-    print(f"threads: m2flow pipelined = one process per component, pinned to its device's {half} core(s), {half} torch "
-          f"thread(s) each; m2flow collocated = one process for all four components (rollout.cohost) over all {CORES} "
-          f"cores, {CORES} threads, the stages taking turns; TRL = this process, torch.set_num_threads({args.trl_threads}).")
+    sizes = args.cpu_devices if isinstance(args.cpu_devices, list) else [max(1, CORES // args.cpu_devices)]
+    print(f"threads: m2flow pipelined = one process per component and rank, pinned to its device's core(s) "
+          f"({'/'.join(map(str, sizes))}), one torch thread per core; m2flow collocated = one process for all four components (rollout.cohost) over "
+          f"all {CORES} cores, {CORES} threads, the stages taking turns; TRL = this process, torch.set_num_threads({args.trl_threads}).")
     print(f"median s/step = median over rounds of each run's median step; speedup vs TRL = median over quiet rounds of "
           f"TRL's median s/step / the plan's in the same round; idle = m2flow's time/idle_fraction (median step); "
           f"per-step numbers: {out / 'results.json'}")

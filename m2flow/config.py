@@ -50,7 +50,9 @@ def section(cls: type, help: str) -> Any:
 @dataclass
 class ClusterConfig:
     address: str | None = opt(None, "Ray address to join (e.g. 'auto' or 'ray://head:10001'); None starts a local Ray instance")
-    cpu_devices: int | None = opt(None, "CPU devices per node when there are no GPUs (default: one per core)")
+    cpu_devices: int | list[int] | None = opt(None, "CPU devices per node when there are no GPUs: a count (equal "
+                                              "slices of the cores), or each device's cores, e.g. [1, 3] (a "
+                                              "1-core device 0 and a 3-core device 1); default: one per core")
     placement: Any = opt("rollout,reward,inference,actor: all:0",
                          "component -> devices[:ranks]: 'rollout,reward,inference,actor: all:0' (collocated: one "
                          "process over every device, the stages take turns), 'rollout: 0; reward,inference,actor: 1' "
@@ -59,8 +61,11 @@ class ClusterConfig:
                                       "this cluster: no new Python, no re-import of torch/transformers")
 
     def validate(self, where: str) -> None:
-        if self.cpu_devices is not None and self.cpu_devices < 1:
-            raise ConfigError(f"{where}.cpu_devices must be >= 1, got {self.cpu_devices}")
+        count = 1 if self.cpu_devices is None else self.cpu_devices
+        sizes = self.cpu_devices if isinstance(self.cpu_devices, list) else [count]
+        if not sizes or min(sizes) < 1:
+            raise ConfigError(f"{where}.cpu_devices must be a count >= 1 or a list of each device's cores (each "
+                              f">= 1, e.g. [1, 3]), got {self.cpu_devices}")
         if not isinstance(self.placement, (str, dict)):
             raise ConfigError(f"{where}.placement must be a string or a mapping, got {type(self.placement).__name__}")
 

@@ -44,19 +44,26 @@ def local_devices(cpu_devices: int | None) -> int | None:
             total += node_devices(int(res.get("GPU", 0)), min(cores, mine) if node["NodeID"] == here else cores,
                                   cpu_devices)
         return total
+    return node_devices(_local_gpus(), mine, cpu_devices)
+
+
+def _local_gpus() -> int:
     try:
         import torch
 
-        gpus = torch.cuda.device_count()
+        return torch.cuda.device_count()
     except Exception:  # noqa: BLE001 - no usable CUDA: a CPU machine
-        gpus = 0
-    return node_devices(gpus, mine, cpu_devices)
+        return 0
 
 
 def _placement(cfg) -> None:
     from m2flow.runtime.placement import PlacementError, parse_placement
 
     spec = cfg.cluster.placement
+    sizes, mine = cfg.cluster.cpu_devices, len(os.sched_getaffinity(0))
+    if isinstance(sizes, list) and not cfg.cluster.address and sum(sizes) > mine and not _local_gpus():
+        raise C.UserError(f"cluster.cpu_devices: {sizes} asks for {sum(sizes)} cores, but this machine gives this "
+                          f"process {mine}: give core counts that sum to at most {mine}")
     devices = None if cfg.cluster.address else local_devices(cfg.cluster.cpu_devices)
     if spec == "auto" or devices is None:
         return

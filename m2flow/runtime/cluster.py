@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -36,8 +37,16 @@ def _probe_node() -> dict:
     return {"cores": sorted(os.sched_getaffinity(0)), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
-def _slices(cores: list[int], n: int) -> list[tuple[int, ...]]:
-    """Split `cores` into `n` contiguous slices of near-equal size; with more slices than cores, cores are shared."""
+def _slices(cores: list[int], n: int | list[int]) -> list[tuple[int, ...]]:
+    """Split `cores` into `n` contiguous slices of near-equal size; with more slices than cores, cores are shared.
+    A list of sizes instead of `n`: contiguous slices of those sizes, from the first core on (cores beyond their sum
+    are left unused)."""
+    if isinstance(n, list):
+        if sum(n) > len(cores):
+            raise ValueError(f"Cluster: cpu_devices {n} asks for {sum(n)} cores, but a node has {len(cores)} "
+                             f"usable cores ({cores}): give sizes that sum to at most {len(cores)}")
+        ends = [sum(n[:i + 1]) for i in range(len(n))]
+        return [tuple(cores[end - size:end]) for size, end in zip(n, ends)]
     if n <= len(cores):
         return [tuple(cores[i * len(cores) // n:(i + 1) * len(cores) // n]) for i in range(n)]
     return [(cores[i * len(cores) // n],) for i in range(n)]
@@ -51,9 +60,25 @@ def _gpu_ids(cuda_visible: str | None, count: int) -> list[int]:
     return ids[:count] if len(ids) >= count else list(range(count))
 
 
-def node_devices(gpus: int, cores: int, cpu_devices: int | None) -> int:
-    """How many devices a node gives: one per GPU, else `cpu_devices` CPU devices, else one per core."""
+def node_devices(gpus: int, cores: int, cpu_devices: int | list[int] | None) -> int:
+    """How many devices a node gives: one per GPU, else `cpu_devices` CPU devices (a count, or a list of each
+    device's cores), else one per core."""
+    if isinstance(cpu_devices, list):
+        return gpus or len(cpu_devices)
     return gpus or cpu_devices or cores
+
+
+def check_cpu_devices(cpu_devices: Any, where: str) -> None:
+    """`cpu_devices` is None, a count >= 1, or a non-empty list of core counts >= 1 (one per device)."""
+    if cpu_devices is None:
+        return
+    if isinstance(cpu_devices, list):
+        if not cpu_devices or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cpu_devices):
+            raise ValueError(f"{where} must be a count >= 1 or a list of each device's cores (each >= 1, e.g. "
+                             f"[1, 3]), got {cpu_devices}")
+    elif isinstance(cpu_devices, bool) or not isinstance(cpu_devices, int) or cpu_devices < 1:
+        raise ValueError(f"{where} must be a count >= 1 (or None for one per core) or a list of each device's "
+                         f"cores, got {cpu_devices!r}")
 
 
 class Cluster:
@@ -69,10 +94,10 @@ class Cluster:
     killed group's processes are never reused.
     """
 
-    def __init__(self, address: str | None = None, cpu_devices: int | None = None, num_cpus: int | None = None,
-                 use_gpus: bool = True, reuse_processes: bool = True):
-        if cpu_devices is not None and cpu_devices < 1:
-            raise ValueError(f"Cluster: cpu_devices must be >= 1 (or None for one per core), got {cpu_devices}")
+    def __init__(self, address: str | None = None, cpu_devices: int | list[int] | None = None,
+                 num_cpus: int | None = None, use_gpus: bool = True, reuse_processes: bool = True):
+        cpu_devices = list(cpu_devices) if isinstance(cpu_devices, tuple) else cpu_devices
+        check_cpu_devices(cpu_devices, "Cluster: cpu_devices")
         self._started = not ray.is_initialized()
         if self._started:
             # address="local": start a new instance, never attach to a stray one (RAY_ADDRESS, `ray start`)
@@ -105,7 +130,8 @@ class Cluster:
             else:
                 kinds = [("cpu", None)] * node_devices(0, len(cores), cpu_devices)
             first = len(self.devices)
-            for (kind, gpu), slot in zip(kinds, _slices(cores, len(kinds))):
+            sizes = cpu_devices if isinstance(cpu_devices, list) and not num_gpus else len(kinds)
+            for (kind, gpu), slot in zip(kinds, _slices(cores, sizes)):
                 ip = node["NodeManagerAddress"]
                 self.devices.append(Device(len(self.devices), node["NodeID"], ip, kind, slot, gpu))
             self.nodes.append(dict(node_id=node["NodeID"], node_ip=node["NodeManagerAddress"], cores=cores,

@@ -33,7 +33,11 @@ CASES = [
     ("no samples", ["train", "grpo_arithmetic", "rollout.n=0"], "config error: rollout.n, prompts_per_step and "
                                                                 "max_new_tokens must be >= 1"),
     ("no CPU devices", ["train", "grpo_arithmetic", "cluster.cpu_devices=0"], "config error: cluster.cpu_devices must "
-                                                                              "be >= 1, got 0"),
+                                                                              "be a count >= 1 or a list of each "
+                                                                              "device's cores (each >= 1, e.g. [1, 3]), "
+                                                                              "got 0"),
+    ("CPU devices beyond the cores", ["train", "grpo_arithmetic", "cluster.cpu_devices=[1,4096]"],
+     "error: cluster.cpu_devices: [1, 4096] asks for 4097 cores, but this machine gives this process "),
     ("unknown dtype", ["train", "grpo_arithmetic", "model.dtype=float8"], "config error: model.dtype must be "
                                                                           "'float32' or 'bfloat16', got 'float8'"),
     ("unknown non-finite policy", ["train", "grpo_arithmetic", "actor.nonfinite=maybe"], "config error: "

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from m2flow.runtime import (
+    Cluster,
     ComponentPlacement,
     Group,
     Worker,
@@ -438,3 +439,25 @@ def test_a_failed_run_kills_its_groups_and_reuse_can_be_turned_off(cluster, tmp_
         assert all(_gone(pid) for pid in pids) and cluster.idle_processes <= idle
     finally:
         cluster.reuse_processes = True
+
+
+@pytest.mark.parametrize("sizes", [[1], [2]])
+def test_cpu_devices_of_given_sizes_pin_their_ranks_to_those_cores(cluster, tmp_path, sizes):
+    """`cluster.cpu_devices: [n, ...]`: each CPU device owns that many cores, from the first core on; a rank on it is
+    pinned to them with as many torch threads (a 1-core rollout device beside a 3-core actor device, say)."""
+    sized = Cluster(cpu_devices=sizes)  # on the Ray instance the session's cluster started
+    group = Residue.launch(sized, parse_placement("a: 0", sized.num_devices, ["a"])["a"], str(tmp_path))
+    try:
+        assert [d.cores for d in sized.devices] == [tuple(range(sizes[0]))]
+        (got,) = group.state().wait(timeout=60)
+        assert got["cores"] == list(range(sizes[0])) and got["threads"] == sizes[0]
+    finally:
+        release_all([group])
+        sized.shutdown()
+
+
+def test_cpu_device_sizes_beyond_a_nodes_cores_are_refused(cluster):
+    with pytest.raises(ValueError, match=r"cpu_devices \[1, 4096\] asks for 4097 cores, but a node has \d+ usable"):
+        Cluster(cpu_devices=[1, 4096])
+    with pytest.raises(ValueError, match="list of each device's cores"):
+        Cluster(cpu_devices=[0, 1])
