@@ -396,9 +396,10 @@ class ActorConfig:
     epochs: int = opt(1, "passes over the batch per training step")
     micro_batch: int = opt(32, "samples per message between stages when pipelined (the streaming granularity); "
                                 "also samples per forward/backward when micro_batch_tokens is 0")
-    micro_batch_tokens: int = opt(8192, "padded tokens per forward/backward: what arrives (a streamed micro-batch, "
-                                        "or the whole batch when collocated) is cut into equal parts of at most this "
-                                        "many (veRL's dynamic batch size); 0: micro_batch samples per part")
+    micro_batch_tokens: int = opt(8192, "padded tokens per forward/backward: streamed micro-batches are merged "
+                                        "until they hold at least this many (or the step's data has all arrived), "
+                                        "then cut into equal parts of at most this many (veRL's dynamic batch size); "
+                                        "0: micro_batch samples per part, each message on its own")
     share_prompts: bool = opt(True, "forward each distinct prompt once per pass and every response against its "
                                     "cached keys and values (the n responses of a group share their prompt): fewer "
                                     "tokens through the model in training and logprob passes, the same logprobs to "

@@ -1,8 +1,9 @@
 """Actor worker: updates the policy from training micro-batches (PPO-clip family losses from
 m2flow.algorithms), publishes its weights, and saves/loads checkpoints. It does not generate.
 
-With one mini-batch and one epoch the update streams: each micro-batch's gradient is accumulated
-the moment it arrives, so training overlaps rollout when the plan pipelines them. With `actor.backend: fsdp2`
+With one mini-batch and one epoch the update streams: streamed micro-batches are merged until they fill a pass
+(`actor.micro_batch_tokens`) and each pass's gradient is accumulated the moment it is full, so training overlaps
+rollout when the plan pipelines them and passes stay large when messages are small. With `actor.backend: fsdp2`
 the model is sharded over the actor's ranks (FSDP2) and each rank trains on its share of every micro-batch.
 """
 
@@ -91,10 +92,9 @@ class ActorWorker(PublishesWeights, Worker):
         if a.mini_batches == 1 and a.epochs == 1:
             self.optimizer.zero_grad(set_to_none=True)
             seen = 0
-            for share in drain(inp, producers, key=self.key, alone=True):
-                share, real = self._fresh(share, ages)
+            for part, real in self._parts(drain(inp, producers, key=self.key, alone=True), ages):
                 with self.device_phase("train", step):
-                    seen += self._backward(self._micros(share), stats, real=real)
+                    seen += self._backward(self._micros(part), stats, real=real)
             with self.device_phase("optimizer", step):
                 grad_norm, samples = self._step(seen)
             grad_norms = [grad_norm]
@@ -151,6 +151,36 @@ class ActorWorker(PublishesWeights, Worker):
         if stale == len(share):
             return share.select(slice(0, 1)), False
         return share.select(fresh), True
+
+    def _parts(self, shares, ages: list):
+        """The streamed shares merged into parts of at least `actor.micro_batch_tokens` padded tokens (a step's last
+        part may hold fewer), which `_micros` cuts into passes of at most that many: the message size between stages
+        (`actor.micro_batch`) sets how finely data streams, not how small the forward/backward passes are, and the
+        cuts depend on the data alone, never on timing, so that a run is reproducible (resume equals an uninterrupted
+        run). Streaming training overlaps its producers when a part fills before the step's data has all arrived
+        (long sequences, or a smaller `micro_batch_tokens`). Sharded ranks agree on every cut (they receive the same
+        number of shares), so they run the same passes. Yields (part, whether it carries samples)."""
+        limit = self.cfg.actor.micro_batch_tokens
+        pending: list[tuple[Batch, bool]] = []
+        for share in shares:
+            pending.append(self._fresh(share, ages))
+            width = max(s["input_ids"].shape[1] for s, _ in pending)
+            full = not limit or sum(len(s) for s, _ in pending) * width >= limit
+            if self.sharded:
+                full = bool(all_reduce(int(full), "max"))
+            if full:
+                yield self._merge(pending)
+                pending = []
+        if pending:
+            yield self._merge(pending)
+
+    def _merge(self, pending: list[tuple[Batch, bool]]) -> tuple[Batch, bool]:
+        real = [s for s, is_real in pending if is_real]
+        if not real:
+            return pending[0][0], False
+        if len(real) == 1:
+            return real[0], True
+        return Batch.concat(real, pad_value={"input_ids": self.tokenizer.pad_token_id}), True
 
     def _logprobs(self, batch: Batch) -> torch.Tensor:
         """Token logprobs of `batch` under the current weights, no gradient, a micro-batch at a time."""

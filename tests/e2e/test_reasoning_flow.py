@@ -137,10 +137,11 @@ def test_shared_prompts_send_fewer_tokens_through_the_model_for_the_same_update(
 def test_pipelined_trace_overlaps_rollout_and_training(cluster, tmp_path):
     """In the pipelined plan the inference/actor device works while rollout still generates. With 8 decode slots for
     16 prompts x 4 samples the engine finishes two prompt groups at a time (continuous batching), so each micro-batch
-    of 8 samples is ready several waves before generation ends."""
+    of 8 samples is ready several waves before generation ends; with passes of at most 64 padded tokens
+    (`actor.micro_batch_tokens`) the actor trains on each as it arrives."""
     cfg = make_cfg(tmp_path, "overlap", "cluster.placement=rollout: 0; reward,inference,actor: 1",
                    "rollout.prompts_per_step=16", "actor.micro_batch=8", "rollout.max_new_tokens=8", "run.steps=2",
-                   "rollout.engine=native", "rollout.max_slots=8")
+                   "rollout.engine=native", "rollout.max_slots=8", "actor.micro_batch_tokens=64")
     train(cfg, cluster)
     events = [e for e in json.loads((tmp_path / "overlap" / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
     gen = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "generate"]
