@@ -368,6 +368,9 @@ class AlgorithmConfig:
     clip_low: float = opt(0.2, "PPO clip epsilon below 1")
     clip_high: float = opt(0.28, "PPO clip epsilon above 1 (clip-higher)")
     dual_clip: float | None = opt(None, "dual-clip constant c (> 1), None: off")
+    policy_loss: str = opt("ppo", "ppo (a ratio per token) | gspo (GSPO: one ratio per response, the exp of the mean "
+                                  "token log-ratio; pair it with the paper's clip_low=3e-4 clip_high=4e-4 "
+                                  "loss_agg=seq-mean-token-mean)")
     loss_agg: str = opt("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean")
     kl_coef: float = opt(0.0, "KL penalty against the reference (initial) policy, in the loss")
     kl_estimator: str = opt("k3", "k1 | k2 | k3")
@@ -451,6 +454,8 @@ class ReasoningConfig:
                               f"got '{self.algorithm.advantage}'")
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be >= 2 for grpo (advantages are relative within a group)")
+        if self.algorithm.policy_loss not in ("ppo", "gspo"):
+            raise ConfigError(f"algorithm.policy_loss must be ppo | gspo, got '{self.algorithm.policy_loss}'")
         if self.algorithm.old_logprobs not in ("auto", "recompute", "rollout"):
             raise ConfigError(f"algorithm.old_logprobs must be auto | recompute | rollout, "
                               f"got '{self.algorithm.old_logprobs}'")

@@ -32,7 +32,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
 
     metrics: pg_loss; clipfrac_low (A < 0 and r < 1 - clip_low: clipped, no gradient), clipfrac_high
     (A > 0 and r > 1 + clip_high), clipfrac (their sum), dual_clipfrac (A < 0 and r > c); approx_kl
-    (mean of (r - 1) - log r, the k3 estimate of KL(old || new)); ratio_mean, ratio_min, ratio_max.
+    (mean of (r - 1) - log r, the k3 estimate of KL(old || new)); ratio_mean, ratio_min, ratio_max; ratio_spread
+    (the mean over responses of the largest minus the smallest ratio among its tokens: 0 at the sequence level).
     All over valid tokens; with no valid token the fractions are 0 and the ratio stats 1.
     """
     if not (logprobs.shape == old_logprobs.shape == advantages.shape) or logprobs.dim() != 2:
@@ -78,6 +79,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
             "ratio_min": torch.where(has, torch.where(m, r, torch.inf).min(), one),
             "ratio_max": torch.where(has, torch.where(m, r, -torch.inf).max(), one),
         }
+        rows = m.any(-1)
+        spread = torch.where(m, r, -torch.inf).amax(-1) - torch.where(m, r, torch.inf).amin(-1)
+        metrics["ratio_spread"] = torch.where(rows, spread, 0 * one).sum() / rows.sum().clamp(min=1).to(r.dtype)
         metrics["clipfrac"] = metrics["clipfrac_low"] + metrics["clipfrac_high"]
     return loss, metrics
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from m2flow.algorithms import behaviour_weights, get_kl_estimator, masked_mean, policy_loss
+from m2flow.algorithms import behaviour_weights, get_kl_estimator, get_policy_loss, masked_mean
 from m2flow.engines.fsdp import (
     all_reduce,
     export_hf,
@@ -70,6 +70,7 @@ class ActorWorker(PublishesWeights, Worker):
         self.kl = get_kl_estimator(cfg.algorithm.kl_estimator) if cfg.algorithm.kl_coef > 0 else None
         # off-policy: clip against the proximal policy (this step's own), weight by proximal / behaviour (decoupled PPO)
         self.decoupled = cfg.algorithm.max_staleness > 0 and cfg.algorithm.old_logprobs == "auto"
+        self.policy_loss = get_policy_loss(cfg.algorithm.policy_loss)  # ppo: a ratio per token; gspo: per response
         self.version = 0
         # the prompt-sharing pass decides per micro-batch how many forwards it runs; sharded ranks must run alike
         self.share_prompts = a.share_prompts and not self.sharded
@@ -234,8 +235,8 @@ class ActorWorker(PublishesWeights, Worker):
             prox = micro["prox_logprobs"] if "prox_logprobs" in micro else logprobs.detach()
             weights, extra = behaviour_weights(prox, old, mask, alg.behaviour_weight_cap)
             advantages, old = advantages * weights, prox
-        loss, metrics = policy_loss(logprobs, old, advantages, mask, clip_low=alg.clip_low,
-                                    clip_high=alg.clip_high, dual_clip=alg.dual_clip, agg=alg.loss_agg)
+        loss, metrics = self.policy_loss(logprobs, old, advantages, mask, clip_low=alg.clip_low,
+                                         clip_high=alg.clip_high, dual_clip=alg.dual_clip, agg=alg.loss_agg)
         metrics = {f"actor/{k}": float(v) for k, v in (metrics | extra).items()}
         metrics["actor/pg_loss"] = float(loss.detach())
         ent = masked_mean(entropy, mask)

@@ -26,7 +26,7 @@ class RewardWorker(Worker):
     def score(self, inp, out, step: int, producers: int = 1, consumers: int = 1) -> dict:
         """Score groups from `inp` until END; forward kept groups (with `rewards`, `advantages`) to `out`, then one
         END per consumer rank (the consumers share the queue)."""
-        rewards, lengths, kept, dropped, timeouts, errors = [], [], 0, 0, 0, 0
+        rewards, lengths, kept, dropped, timeouts, errors, advantages = [], [], 0, 0, 0, 0, []
         for groups in drain_batches(inp, producers, alone=self.world_size == 1):
             scored = []
             for group in groups:
@@ -45,6 +45,7 @@ class RewardWorker(Worker):
                 if self.advantage_fn is not None:
                     group["advantages"] = self.advantage_fn(torch.tensor(scores, dtype=torch.float32), None,
                                                             len(scores)).tolist()
+                    advantages += group["advantages"]
                 scored.append(group)
             if scored:  # what one round trip brought goes on in one round trip
                 out.put_many(scored, weights=[len(g["rewards"]) for g in scored])
@@ -57,4 +58,5 @@ class RewardWorker(Worker):
             "response/length_mean": sum(lengths) / max(len(lengths), 1),
             "reward/timeouts": timeouts, "reward/errors": errors,
             "reward/groups_kept": kept, "reward/groups_dropped": dropped,
+            "advantage/abs_mean": sum(abs(a) for a in advantages) / max(len(advantages), 1),
         }

@@ -119,6 +119,11 @@ def test_policy_loss_matches_naive(level):
         close(m["ratio_mean"], sum(ratio[b][t] for b, t in valid) / n)
         close(m["ratio_max"], max(ratio[b][t] for b, t in valid))
         close(m["ratio_min"], min(ratio[b][t] for b, t in valid))
+        rows = [[ratio[b][t] for t in range(T) if mask[b][t]] for b in range(B)]
+        spreads = [max(r) - min(r) for r in rows if r]
+        close(m["ratio_spread"], sum(spreads) / max(len(spreads), 1))
+        if level == "sequence":
+            assert float(m["ratio_spread"]) == 0.0  # GSPO: one ratio per response
 
 
 def test_policy_loss_gradient_matches_autograd_of_naive_formula():

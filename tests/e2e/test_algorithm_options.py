@@ -1,0 +1,71 @@
+"""Each algorithm option of the reasoning flow, reached from the config in a real run, changes what it should
+(issue 15): the advantage estimators, GSPO's sequence-level ratio, dual-clip and the entropy bonus."""
+
+import json
+
+import pytest
+
+from m2flow import config as C
+from m2flow.flows.reasoning import train
+
+COLLOCATED = ["cluster.placement=rollout,reward,inference,actor: 0-1:0", "reward.fn=reward_fixtures:digit_fraction"]
+
+
+def run(cluster, tmp_path, name, *overrides):
+    base = [f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.trace=false", "run.steps=2",
+            "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4", "actor.lr=1e-3",
+            "data.train_size=200", "data.eval_size=20", *COLLOCATED]
+    train(C.load(C.ReasoningConfig, None, base + list(overrides)), cluster)
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_advantage_estimators_score_the_same_samples_differently(cluster, tmp_path):
+    """The first step samples the same responses under every estimator (same seed, same start model), so the
+    rewards agree and only the advantages differ: RLOO's are k/(k-1) times Dr.GRPO's (the mean of the others instead
+    of the group mean, no std), and GRPO divides by the group's std."""
+    got = {a: run(cluster, tmp_path, a, f"algorithm.advantage={a}", "run.steps=1")[0]
+           for a in ("grpo", "dr_grpo", "rloo")}
+    assert got["grpo"]["reward/mean"] == got["dr_grpo"]["reward/mean"] == got["rloo"]["reward/mean"]
+    dr, rloo, grpo = (got[a]["advantage/abs_mean"] for a in ("dr_grpo", "rloo", "grpo"))
+    assert dr > 0
+    assert rloo == pytest.approx(dr * 4 / 3, rel=1e-5)  # groups of k = 4
+    assert grpo > 2 * dr  # rewards in [0, 1] spread by well under 0.5 within a group: dividing by the std enlarges
+
+
+def test_gspo_gives_every_token_of_a_response_one_ratio(cluster, tmp_path):
+    """With 2 epochs the second pass sees ratios away from 1. PPO's differ token by token inside a response; GSPO
+    (`algorithm.policy_loss=gspo`) gives each response the exp of its mean token log-ratio, so the spread inside a
+    response is 0, and its paper's tight clip range clips far more tokens than PPO's 0.2 / 0.28."""
+    common = ["actor.epochs=2", "algorithm.old_logprobs=recompute"]
+    ppo = run(cluster, tmp_path, "ppo", *common)
+    gspo = run(cluster, tmp_path, "gspo", *common, "algorithm.policy_loss=gspo", "algorithm.clip_low=3e-4",
+               "algorithm.clip_high=4e-4", "algorithm.loss_agg=seq-mean-token-mean")
+    assert all(r["actor/ratio_spread"] > 0 for r in ppo)
+    assert all(r["actor/ratio_spread"] == 0 for r in gspo)
+    assert sum(r["actor/clipfrac"] for r in gspo) > sum(r["actor/clipfrac"] for r in ppo)
+    assert all(r["actor/clipfrac"] > 0 for r in gspo)
+    with pytest.raises(C.ConfigError, match="algorithm.policy_loss must be ppo | gspo, got 'gpo'"):
+        C.load(C.ReasoningConfig, None, ["algorithm.policy_loss=gpo"])
+
+
+def test_dual_clip_caps_negative_advantage_tokens_whose_ratio_rose(cluster, tmp_path):
+    """`algorithm.dual_clip=c`: a token with a negative advantage whose ratio exceeds c has its loss capped at -A c
+    (no gradient). With c just above 1, the second epoch finds such tokens; without the option none is counted."""
+    common = ["actor.epochs=2", "actor.mini_batches=2", "algorithm.old_logprobs=recompute", "run.steps=3"]
+    capped = run(cluster, tmp_path, "dual", *common, "algorithm.dual_clip=1.0001")
+    plain = run(cluster, tmp_path, "plain", *common)
+    assert sum(r["actor/dual_clipfrac"] for r in capped) > 0
+    assert all(r["actor/dual_clipfrac"] == 0 for r in plain)
+    assert capped[0]["reward/mean"] == plain[0]["reward/mean"]  # the same first samples: the option made the change
+    assert capped[-1]["actor/pg_loss"] != plain[-1]["actor/pg_loss"]
+
+
+def test_entropy_bonus_raises_the_policys_entropy(cluster, tmp_path):
+    """`algorithm.entropy_coef` subtracts coef x entropy from the loss: a large bonus drives the sampling entropy up
+    step by step, above the same run without it."""
+    common = ["run.steps=4"]
+    bonus = run(cluster, tmp_path, "bonus", *common, "algorithm.entropy_coef=1.0")
+    plain = run(cluster, tmp_path, "plain", *common)
+    assert bonus[0]["actor/entropy"] == pytest.approx(plain[0]["actor/entropy"], rel=1e-4)  # the same start
+    assert bonus[-1]["actor/entropy"] > plain[-1]["actor/entropy"]
+    assert bonus[-1]["actor/entropy"] > bonus[0]["actor/entropy"]
