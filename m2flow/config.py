@@ -299,8 +299,11 @@ class ModelConfig:
 class DataConfig:
     task: str = opt("arithmetic", "arithmetic | countdown (built-in, generated from the seed) | file")
     path: str = opt("", "JSONL or Parquet file when task=file")
-    prompt_key: str = opt("prompt", "prompt column of the file")
-    answer_key: str = opt("answer", "answer column of the file")
+    layout: str = opt("plain", "the file's layout: plain (prompt, answer columns) | gsm8k (question; the answer "
+                               "after the solution's last '####') | math (problem; the answer in the solution's last "
+                               "\\boxed{}); with gsm8k and math the full solution is kept for SFT")
+    prompt_key: str = opt("", "prompt column of the file (empty: the layout's: prompt | question | problem)")
+    answer_key: str = opt("", "answer column of the file (empty: the layout's: answer | answer | solution)")
     digits: int = opt(2, "operand digits of the arithmetic task")
     ops: str = opt("+", "operators of the arithmetic task, e.g. '+-'")
     train_size: int = opt(5000, "synthetic training problems")
@@ -310,6 +313,8 @@ class DataConfig:
     def validate(self, where: str) -> None:
         if self.task not in ("arithmetic", "countdown", "file"):
             raise ConfigError(f"{where}.task must be arithmetic | countdown | file, got '{self.task}'")
+        if self.layout not in ("plain", "gsm8k", "math"):
+            raise ConfigError(f"{where}.layout must be plain | gsm8k | math, got '{self.layout}'")
         if self.task == "file" and not self.path:
             raise ConfigError(f"{where}.path is required when {where}.task=file")
 

@@ -89,6 +89,7 @@ def _model_dir(path: str) -> None:
 
 
 def _data_file(data) -> None:
+    from m2flow.workloads.reasoning.data import LAYOUTS as LAYOUT_KEYS
     from m2flow.workloads.reasoning.data import load_dataset
 
     p = Path(data.path)
@@ -98,10 +99,12 @@ def _data_file(data) -> None:
         raise C.UserError(f"data.path: '{data.path}' is a {p.suffix or 'suffix-less'} file; expected "
                           f"{', '.join(DATA_SUFFIXES)}")
     try:  # read as the flow will: columns present, every record with a prompt and an answer
-        load_dataset(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key)
+        load_dataset(data.path, data.prompt_key or None, data.answer_key or None, layout=data.layout)
     except (ValueError, OSError) as e:
-        raise C.UserError(f"data.path: {' '.join(str(e).split())} (data.prompt_key='{data.prompt_key}', "
-                          f"data.answer_key='{data.answer_key}')") from None
+        keys = LAYOUT_KEYS[data.layout]
+        raise C.UserError(f"data.path: {' '.join(str(e).split())} (data.layout='{data.layout}', "
+                          f"data.prompt_key='{data.prompt_key or keys['prompt_key']}', "
+                          f"data.answer_key='{data.answer_key or keys['answer_key']}')") from None
 
 
 def _reward_fn(spec: str, task: str) -> None:

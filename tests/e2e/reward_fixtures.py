@@ -30,3 +30,13 @@ def wrong_count(prompts, completions, answers):
 def hint_agrees(prompts, completions, answers, hint):
     """Batched, with a dataset column: 1 where the record's `hint` column arrived beside its own answer."""
     return [float(str(h) == str(a)) for h, a in zip(hint, answers)]
+
+
+GSM8K_ANSWERS = {"apples": "7", "eggs": "60", "earns": "2500"}  # tests/fixtures/gsm8k_sample.jsonl's final answers
+
+
+def gsm8k_answers(prompts, completions, answers):
+    """Batched: 1 where the answer that reached the reward is the number after the fixture question's '####' (commas
+    removed), so a mean reward of 1 says that the gsm8k layout read the questions and extracted the answers."""
+    expected = [next((a for k, a in GSM8K_ANSWERS.items() if k in p), None) for p in prompts]
+    return [float(e is not None and str(a) == e) for e, a in zip(expected, answers)]

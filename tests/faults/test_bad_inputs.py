@@ -67,6 +67,8 @@ CASES = [
      "error: data.path: no file at '{tmp}/nope.jsonl'"),
     ("data file of the wrong type", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/data.txt", *TINY],
      "error: data.path: '{tmp}/data.txt' is a .txt file; expected .jsonl, .json, .parquet"),
+    ("unknown data layout", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/qa.jsonl",
+                             "data.layout=csv"], "config error: data.layout must be plain | gsm8k | math, got 'csv'"),
     ("data file without the columns", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/qa.jsonl",
                                        *TINY],
      "error: data.path: {tmp}/qa.jsonl: missing column(s) ['prompt', 'answer']; columns found: ['a', 'q']"),

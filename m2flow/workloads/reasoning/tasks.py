@@ -24,7 +24,7 @@ def reward_timeout(name: str, timeout_s: float) -> float | None:
 def task_records(data, seed: int, split: str) -> list[dict]:
     """Records {prompt, answer[, solution]} of the train or test split."""
     if data.task == "file":
-        records = load_dataset(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key)
+        records = load_dataset(data.path, data.prompt_key or None, data.answer_key or None, layout=data.layout)
         cut = max(len(records) - data.eval_size, 1) if len(records) > data.eval_size else len(records)
         return records[:cut] if split == "train" else records[cut:] or records[-1:]
     size = data.train_size if split == "train" else data.eval_size
