@@ -381,6 +381,11 @@ class AlgorithmConfig:
     kl_estimator: str = opt("k3", "k1 | k2 | k3")
     entropy_coef: float = opt(0.0, "entropy bonus")
     dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal")
+    overlong_buffer: int = opt(0, "DAPO's soft overlong punishment: a response longer than rollout.max_new_tokens - "
+                                  "N tokens loses up to overlong_penalty of reward, linearly to the limit (0: off)")
+    overlong_penalty: float = opt(1.0, "the reward a response at the length limit loses (overlong_buffer > 0)")
+    overlong_filter: bool = opt(False, "DAPO's overlong filtering: responses cut at rollout.max_new_tokens (no eos) "
+                                       "get no gradient")
     old_logprobs: str = opt("auto", "old-policy logprobs of the PPO ratio: recompute (an inference forward pass) | "
                                     "rollout (the engine's behaviour logprobs) | auto (rollout when each sample is "
                                     "trained on once, 1 epoch and 1 mini-batch, so the ratio is 1; else recompute)")
@@ -459,6 +464,9 @@ class ReasoningConfig:
                               f"got '{self.algorithm.advantage}'")
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be >= 2 for grpo (advantages are relative within a group)")
+        if not 0 <= self.algorithm.overlong_buffer <= self.rollout.max_new_tokens:
+            raise ConfigError(f"algorithm.overlong_buffer must be in [0, rollout.max_new_tokens = "
+                              f"{self.rollout.max_new_tokens}], got {self.algorithm.overlong_buffer}")
         if self.algorithm.policy_loss not in ("ppo", "gspo"):
             raise ConfigError(f"algorithm.policy_loss must be ppo | gspo, got '{self.algorithm.policy_loss}'")
         if self.algorithm.old_logprobs not in ("auto", "recompute", "rollout"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from m2flow.algorithms import behaviour_weights, get_kl_estimator, get_policy_loss, masked_mean
+from m2flow.algorithms import behaviour_weights, get_kl_estimator, get_policy_loss, masked_mean, overlong_filter
 from m2flow.engines.fsdp import (
     all_reduce,
     export_hf,
@@ -226,14 +226,19 @@ class ActorWorker(PublishesWeights, Worker):
     def _loss(self, micro: Batch) -> tuple[torch.Tensor, dict]:
         alg = self.cfg.algorithm
         mask = micro["response_mask"].float()
+        extra = {}
+        if alg.overlong_filter and "truncated" in micro:  # DAPO: a response cut at the limit gets no gradient
+            mask = overlong_filter(mask, micro["truncated"])
+            extra["overlong_filtered"] = micro["truncated"].float().mean()
         logprobs, entropy = token_logprobs_and_entropy(self.model, micro.tensors, self.cfg.rollout.temperature,
                                                        entropy_grad=bool(alg.entropy_coef),
                                                        share_prompts=self.share_prompts)
         advantages = micro["advantages"].view(-1, 1) * mask
-        old, extra = micro["old_logprobs"], {}
+        old = micro["old_logprobs"]
         if self.decoupled:  # PPO clips against the proximal policy; the behaviour gap is an importance weight
             prox = micro["prox_logprobs"] if "prox_logprobs" in micro else logprobs.detach()
-            weights, extra = behaviour_weights(prox, old, mask, alg.behaviour_weight_cap)
+            weights, behaviour = behaviour_weights(prox, old, mask, alg.behaviour_weight_cap)
+            extra.update(behaviour)
             advantages, old = advantages * weights, prox
         loss, metrics = self.policy_loss(logprobs, old, advantages, mask, clip_low=alg.clip_low,
                                          clip_high=alg.clip_high, dual_clip=alg.dual_clip, agg=alg.loss_agg)

@@ -19,10 +19,11 @@ from m2flow.workers.common import drain, finish, route
 def groups_to_batch(groups: list[dict], pad_id: int) -> Batch:
     """Flatten prompt groups into one padded Batch of samples (see engines.train.collate for the layout), with each
     sample's reward, advantage, behaviour logprobs and the weight version that generated it."""
-    pairs, rewards, advantages, rollout_lp, versions = [], [], [], [], []
+    pairs, rewards, advantages, rollout_lp, versions, cut = [], [], [], [], [], []
     for g in groups:
         for i, resp in enumerate(g["responses"]):
             pairs.append((g["prompt_ids"], resp))
+            cut.append(g["finish"][i] == "length" if "finish" in g else False)
             versions.append(g.get("version", 0))
             rewards.append(g["rewards"][i])
             advantages.append(g["advantages"][i] if "advantages" in g else 0.0)
@@ -32,6 +33,7 @@ def groups_to_batch(groups: list[dict], pad_id: int) -> Batch:
     batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
     batch["advantages"] = torch.tensor(advantages, dtype=torch.float32)
     batch["versions"] = torch.tensor(versions, dtype=torch.long)  # the weight version that generated each sample
+    batch["truncated"] = torch.tensor(cut, dtype=torch.bool)  # cut at the length limit, no stop token
     lp = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
     # one value per response token, row by row (the mask's order); a short list is padded with 0, a long one cut
     flat = [v for (_, resp), values in zip(pairs, rollout_lp)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from m2flow.algorithms import get_advantage_fn
+from m2flow.algorithms import get_advantage_fn, overlong_penalty
 from m2flow.runtime import Worker
 from m2flow.workers.common import drain_batches, finish
 from m2flow.workloads.reasoning.rewards import RewardRunner
@@ -25,8 +25,11 @@ class RewardWorker(Worker):
 
     def score(self, inp, out, step: int, producers: int = 1, consumers: int = 1) -> dict:
         """Score groups from `inp` until END; forward kept groups (with `rewards`, `advantages`) to `out`, then one
-        END per consumer rank (the consumers share the queue)."""
-        rewards, lengths, kept, dropped, timeouts, errors, advantages = [], [], 0, 0, 0, 0, []
+        END per consumer rank (the consumers share the queue). `rewards` are the shaped scores the advantages are made
+        of: the task reward plus DAPO's overlong penalty when `algorithm.overlong_buffer` is set."""
+        alg = self.cfg.algorithm
+        seen = {"task": [], "shaped": [], "penalty": [], "length": [], "advantage": []}  # one value per response
+        count = {"kept": 0, "dropped": 0, "timeouts": 0, "errors": 0, "truncated": 0}
         for groups in drain_batches(inp, producers, alone=self.world_size == 1):
             scored = []
             for group in groups:
@@ -34,29 +37,41 @@ class RewardWorker(Worker):
                     n = len(group["texts"])
                     scores, counters = self.runner.score_texts([group.get("prompt", "")] * n, group["texts"],
                                                                [group["answer"]] * n, [group.get("columns", {})] * n)
-                timeouts += counters["timeouts"]
-                errors += counters["errors"]
-                rewards += scores
-                lengths += [len(r) for r in group["responses"]]
-                if self.cfg.algorithm.dynamic_sampling and len(set(scores)) == 1:
-                    dropped += 1  # DAPO: a group whose rewards are all equal carries no signal
+                count["timeouts"] += counters["timeouts"]
+                count["errors"] += counters["errors"]
+                count["truncated"] += sum(f == "length" for f in group.get("finish", ()))
+                lengths = [len(r) for r in group["responses"]]
+                seen["task"] += scores
+                seen["length"] += lengths
+                if alg.overlong_buffer:  # DAPO: a response near the length limit loses reward (its eos counts)
+                    penalty = overlong_penalty(torch.tensor(lengths), self.cfg.rollout.max_new_tokens,
+                                               alg.overlong_buffer, alg.overlong_penalty).tolist()
+                    seen["penalty"] += penalty
+                    scores = [s + p for s, p in zip(scores, penalty)]
+                seen["shaped"] += scores
+                if alg.dynamic_sampling and len(set(scores)) == 1:
+                    count["dropped"] += 1  # DAPO: a group whose rewards are all equal carries no signal
                     continue
                 group["rewards"] = scores
                 if self.advantage_fn is not None:
                     group["advantages"] = self.advantage_fn(torch.tensor(scores, dtype=torch.float32), None,
                                                             len(scores)).tolist()
-                    advantages += group["advantages"]
+                    seen["advantage"] += group["advantages"]
                 scored.append(group)
             if scored:  # what one round trip brought goes on in one round trip
                 out.put_many(scored, weights=[len(g["rewards"]) for g in scored])
-                kept += len(scored)
+                count["kept"] += len(scored)
         finish(out, consumers)
-        n = max(len(rewards), 1)
+        n = max(len(seen["task"]), 1)
+        mean = lambda xs: sum(xs) / n  # noqa: E731 - over every scored response
         return {
-            "reward/mean": sum(rewards) / n,
-            "reward/accuracy": sum(r >= 1.0 for r in rewards) / n,
-            "response/length_mean": sum(lengths) / max(len(lengths), 1),
-            "reward/timeouts": timeouts, "reward/errors": errors,
-            "reward/groups_kept": kept, "reward/groups_dropped": dropped,
-            "advantage/abs_mean": sum(abs(a) for a in advantages) / max(len(advantages), 1),
+            "reward/mean": mean(seen["task"]),
+            "reward/accuracy": mean([r >= 1.0 for r in seen["task"]]),
+            "reward/shaped_mean": mean(seen["shaped"]),
+            "reward/overlong_penalty": mean(seen["penalty"]),
+            "response/length_mean": mean(seen["length"]),
+            "response/truncated_frac": count["truncated"] / n,  # cut at rollout.max_new_tokens, no stop token
+            "reward/timeouts": count["timeouts"], "reward/errors": count["errors"],
+            "reward/groups_kept": count["kept"], "reward/groups_dropped": count["dropped"],
+            "advantage/abs_mean": sum(abs(a) for a in seen["advantage"]) / max(len(seen["advantage"]), 1),
         }

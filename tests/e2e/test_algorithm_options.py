@@ -69,3 +69,30 @@ def test_entropy_bonus_raises_the_policys_entropy(cluster, tmp_path):
     assert bonus[0]["actor/entropy"] == pytest.approx(plain[0]["actor/entropy"], rel=1e-4)  # the same start
     assert bonus[-1]["actor/entropy"] > plain[-1]["actor/entropy"]
     assert bonus[-1]["actor/entropy"] > bonus[0]["actor/entropy"]
+
+
+def test_overlong_penalty_takes_reward_from_responses_near_the_length_limit(cluster, tmp_path):
+    """`algorithm.overlong_buffer=N`: a response of L tokens (eos included) loses overlong_penalty x (L - (max - N)) /
+    N of its reward past max - N tokens. With N = max_new_tokens = 4 every response loses L / 4: the step's mean
+    penalty is minus its mean length over 4. The task reward (`reward/mean`) is reported before the penalty, the
+    scores the advantages are made of (`reward/shaped_mean`) after it."""
+    penalized = run(cluster, tmp_path, "penalized", "algorithm.overlong_buffer=4", "run.steps=1")[0]
+    plain = run(cluster, tmp_path, "plain", "run.steps=1")[0]
+    assert penalized["reward/overlong_penalty"] == pytest.approx(-penalized["response/length_mean"] / 4, rel=1e-6)
+    assert penalized["reward/overlong_penalty"] < 0 and plain["reward/overlong_penalty"] == 0
+    assert penalized["reward/mean"] == plain["reward/mean"]  # the same samples
+    shaped = penalized["reward/mean"] + penalized["reward/overlong_penalty"]
+    assert penalized["reward/shaped_mean"] == pytest.approx(shaped)
+    assert plain["reward/shaped_mean"] == pytest.approx(plain["reward/mean"])  # what the advantages are made of
+    with pytest.raises(C.ConfigError, match=r"overlong_buffer must be in \[0, rollout.max_new_tokens = 4\], got 5"):
+        C.load(C.ReasoningConfig, None, ["rollout.max_new_tokens=4", "algorithm.overlong_buffer=5"])
+
+
+def test_overlong_filter_trains_only_on_responses_that_stopped(cluster, tmp_path):
+    """`algorithm.overlong_filter`: responses cut at rollout.max_new_tokens (no eos) get no gradient. With 2 new
+    tokens the untrained model stops early in few responses: the filtered share is the truncated share."""
+    rows = run(cluster, tmp_path, "filtered", "algorithm.overlong_filter=true", "rollout.max_new_tokens=2")
+    for r in rows:
+        assert r["response/truncated_frac"] > 0.5
+        assert r["actor/overlong_filtered"] == pytest.approx(r["response/truncated_frac"], abs=1e-6)
+    assert "actor/overlong_filtered" not in run(cluster, tmp_path, "plain", "rollout.max_new_tokens=2")[0]
