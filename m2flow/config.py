@@ -369,7 +369,8 @@ class RewardConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = opt("grpo", "grpo (reasoning PPO with a critic is not built yet)")
-    advantage: str = opt("grpo", "advantage estimator: grpo | dr_grpo | rloo")
+    advantage: str = opt("grpo", "advantage estimator: grpo | dr_grpo | rloo | reinforce_pp (REINFORCE++ with a "
+                                 "group baseline: the group-centred score whitened over the step's tokens)")
     clip_low: float = opt(0.2, "PPO clip epsilon below 1")
     clip_high: float = opt(0.28, "PPO clip epsilon above 1 (clip-higher)")
     dual_clip: float | None = opt(None, "dual-clip constant c (> 1), None: off")
@@ -459,9 +460,9 @@ class ReasoningConfig:
         if self.algorithm.name != "grpo":
             raise ConfigError(f"algorithm.name: the reasoning flow trains grpo (group-relative advantages); "
                               f"'{self.algorithm.name}' (a critic worker) is not built yet")
-        if self.algorithm.advantage not in ("grpo", "dr_grpo", "rloo"):
-            raise ConfigError(f"algorithm.advantage must be grpo | dr_grpo | rloo for the reasoning flow, "
-                              f"got '{self.algorithm.advantage}'")
+        if self.algorithm.advantage not in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
+            raise ConfigError(f"algorithm.advantage must be grpo | dr_grpo | rloo | reinforce_pp for the reasoning "
+                              f"flow, got '{self.algorithm.advantage}'")
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be >= 2 for grpo (advantages are relative within a group)")
         if not 0 <= self.algorithm.overlong_buffer <= self.rollout.max_new_tokens:

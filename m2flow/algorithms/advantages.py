@@ -187,6 +187,25 @@ def reinforce_pp_advantages(scores: Tensor, mask: Tensor, groups: int | Tensor |
 
 
 @torch.no_grad()
+def token_moments(values: Tensor, lengths: Tensor) -> Tensor:
+    """Per-sequence values[B], each repeated over its lengths[B] tokens -> [count, sum, sum of squares] of those
+    tokens (float64). Moments add up: sum them over data-parallel ranks for the whole batch's."""
+    v, w = values.double(), lengths.double()
+    return torch.stack([w.sum(), (w * v).sum(), (w * v * v).sum()])
+
+
+@torch.no_grad()
+def whiten(values: Tensor, moments: Tensor, eps: float = 1e-6) -> Tensor:
+    """values[B] -> (values - mean) / (std + eps), with the token-weighted mean and Bessel-corrected std of
+    `token_moments`: the global whitening of REINFORCE++ for per-sequence returns (gamma 1, no KL in the reward)."""
+    n, total, squares = moments.unbind()
+    mean = total / n.clamp(min=1)
+    var = ((squares - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0)
+    std = torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
+    return ((values.double() - mean) / (std + eps)).to(values.dtype)
+
+
+@torch.no_grad()
 def embodied_grpo_advantages(success: Tensor, mask: Tensor | None, groups: int | Tensor,
                              norm_std: bool = True, eps: float = 1e-6) -> Tensor:
     """Embodied GRPO: success[N] (0/1 or bool: the episode outcome of env n, e.g. success_once),

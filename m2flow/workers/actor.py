@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from m2flow.algorithms import behaviour_weights, get_kl_estimator, get_policy_loss, masked_mean, overlong_filter
+from m2flow.algorithms import (behaviour_weights, get_kl_estimator, get_policy_loss, masked_mean, overlong_filter,
+                               token_moments, whiten)
 from m2flow.engines.fsdp import (
     all_reduce,
     export_hf,
@@ -71,6 +72,7 @@ class ActorWorker(PublishesWeights, Worker):
         # off-policy: clip against the proximal policy (this step's own), weight by proximal / behaviour (decoupled PPO)
         self.decoupled = cfg.algorithm.max_staleness > 0 and cfg.algorithm.old_logprobs == "auto"
         self.policy_loss = get_policy_loss(cfg.algorithm.policy_loss)  # ppo: a ratio per token; gspo: per response
+        self.whiten = cfg.algorithm.advantage == "reinforce_pp"  # needs the whole step's advantages first
         self.version = 0
         # the prompt-sharing pass decides per micro-batch how many forwards it runs; sharded ranks must run alike
         self.share_prompts = a.share_prompts and not self.sharded
@@ -90,7 +92,8 @@ class ActorWorker(PublishesWeights, Worker):
         ages: list[torch.Tensor] = []
         self.skipped, self.bad_loss, self.forward_tokens = 0, None, 0
         before = self._weight_norm() if a.max_weight_growth else 0.0
-        if a.mini_batches == 1 and a.epochs == 1:
+        whitened = {}
+        if a.mini_batches == 1 and a.epochs == 1 and not self.whiten:
             self.optimizer.zero_grad(set_to_none=True)
             seen = 0
             for part, real in self._parts(drain(inp, producers, key=self.key, alone=True), ages):
@@ -103,6 +106,8 @@ class ActorWorker(PublishesWeights, Worker):
             shares = [self._fresh(s, ages) for s in drain(inp, producers, key=self.key, alone=True)]
             real = [s for s, is_real in shares if is_real]
             full = Batch.concat(real or [shares[0][0]], pad_value={"input_ids": self.tokenizer.pad_token_id})
+            if self.whiten:
+                whitened = self._whiten(full, bool(real))
             gen = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + step)
             grad_norms, samples = [], 0
             with self.device_phase("train", step):
@@ -120,7 +125,7 @@ class ActorWorker(PublishesWeights, Worker):
         if a.max_weight_growth:
             check_weight_growth(before, self._weight_norm(), a.max_weight_growth, a.lr)
         self.version += 1
-        out = weighted_mean(stats)
+        out = weighted_mean(stats) | whitened
         grad_norms = [g for g in grad_norms if math.isfinite(g)] or [0.0]  # a skipped update's is not a figure
         age = torch.cat(ages) if ages else torch.zeros(0, dtype=torch.long)
         fresh = age <= self.cfg.algorithm.max_staleness
@@ -134,6 +139,20 @@ class ActorWorker(PublishesWeights, Worker):
 
     def _count_tokens(self, module, inputs, output) -> None:
         self.forward_tokens += inputs[0].numel()
+
+    def _whiten(self, full: Batch, real: bool) -> dict:
+        """REINFORCE++ (`algorithm.advantage: reinforce_pp`): the reward stage sent group-centred scores; whiten them
+        in place over the valid tokens of the whole step (every rank's share), then report the token-weighted mean
+        and std of the result (0 and 1 up to the Bessel correction)."""
+        lengths = full["response_mask"].sum(-1)
+        moments = token_moments(full["advantages"], lengths) if real else torch.zeros(3, dtype=torch.float64)
+        if self.sharded:
+            moments = torch.tensor([all_reduce(float(m)) for m in moments], dtype=torch.float64)
+        full["advantages"] = whiten(full["advantages"], moments)
+        n, total, squares = token_moments(full["advantages"], lengths).tolist() if real else (0.0, 0.0, 0.0)
+        mean = total / max(n, 1)
+        return {"actor/advantage_token_mean": mean,
+                "actor/advantage_token_std": math.sqrt(max(squares / max(n, 1) - mean * mean, 0.0))}
 
     def _fresh(self, share: Batch, ages: list) -> tuple[Batch, bool]:
         """`share` without the samples older than `max_staleness` versions, and whether it still carries samples (a

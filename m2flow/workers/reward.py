@@ -12,7 +12,9 @@ from m2flow.workers.common import drain_batches, finish
 from m2flow.workloads.reasoning.rewards import RewardRunner
 from m2flow.workloads.reasoning.tasks import reward_name, reward_timeout
 
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+# advantage -> what the reward stage attaches per group (REINFORCE++: the group-centred score; the actor whitens it
+# over the whole step's tokens)
+GROUP_ESTIMATORS = {"grpo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo", "reinforce_pp": "dr_grpo"}
 
 
 class RewardWorker(Worker):
@@ -21,7 +23,8 @@ class RewardWorker(Worker):
         name = reward_name(cfg.reward.fn, cfg.data.task)
         self.runner = RewardRunner(name, timeout_s=reward_timeout(name, cfg.reward.timeout_s))
         self.advantage = cfg.algorithm.advantage
-        self.advantage_fn = get_advantage_fn(self.advantage) if self.advantage in GROUP_ESTIMATORS else None
+        fn = GROUP_ESTIMATORS.get(self.advantage)
+        self.advantage_fn = get_advantage_fn(fn) if fn else None
 
     def score(self, inp, out, step: int, producers: int = 1, consumers: int = 1) -> dict:
         """Score groups from `inp` until END; forward kept groups (with `rewards`, `advantages`) to `out`, then one

@@ -96,3 +96,16 @@ def test_overlong_filter_trains_only_on_responses_that_stopped(cluster, tmp_path
         assert r["response/truncated_frac"] > 0.5
         assert r["actor/overlong_filtered"] == pytest.approx(r["response/truncated_frac"], abs=1e-6)
     assert "actor/overlong_filtered" not in run(cluster, tmp_path, "plain", "rollout.max_new_tokens=2")[0]
+
+
+@pytest.mark.parametrize("placement", ["rollout,reward,inference,actor: 0-1:0", "rollout: 0; reward,inference,actor: 1"])
+def test_reinforce_pp_whitens_the_group_centred_scores_over_the_steps_tokens(cluster, tmp_path, placement):
+    """`algorithm.advantage=reinforce_pp` (REINFORCE++ with a group baseline): the reward stage sends each response's
+    score minus its group's mean (Dr.GRPO's advantage), and the actor, once the step's data has all arrived, whitens
+    them over every valid token of the step: token-weighted mean 0, std 1."""
+    rows = run(cluster, tmp_path, "rpp", "algorithm.advantage=reinforce_pp", f"cluster.placement={placement}")
+    centred = run(cluster, tmp_path, "dr", "algorithm.advantage=dr_grpo", "run.steps=1")[0]
+    assert rows[0]["advantage/abs_mean"] == pytest.approx(centred["advantage/abs_mean"], rel=1e-6)
+    for r in rows:
+        assert abs(r["actor/advantage_token_mean"]) < 1e-6
+        assert r["actor/advantage_token_std"] == pytest.approx(1.0, abs=0.02)  # Bessel's n/(n-1) over ~100 tokens

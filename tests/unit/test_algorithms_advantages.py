@@ -272,3 +272,20 @@ def test_embodied_grpo_hand_worked_seed_groups():
     adv = embodied_grpo_advantages(torch.tensor([1, 0, 1, 1]), mask, torch.tensor([5, 5, 9, 9]))
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
     close(adv, [[a, -a, 0.0, 0.0], [a, 0.0, 0.0, 0.0]], 1e-6)
+
+
+def test_whiten_by_token_moments_equals_reinforce_pp_with_a_group_baseline():
+    """REINFORCE++-baseline with gamma 1 and no KL in the reward gives every token of a response one value: its
+    group-centred score, whitened over the batch's tokens. The streaming flow gets it from per-response values and
+    moments that add up over shares and ranks."""
+    from m2flow.algorithms import dr_grpo_advantages, reinforce_pp_advantages, token_moments, whiten
+
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(12, generator=gen)
+    lengths = torch.randint(1, 7, (12,), generator=gen)
+    mask = torch.arange(6)[None, :] < lengths[:, None]
+    ref = reinforce_pp_advantages(scores, mask, groups=4)
+    centred = dr_grpo_advantages(scores, None, 4)
+    moments = token_moments(centred[:5], lengths[:5]) + token_moments(centred[5:], lengths[5:])  # two shares
+    got = whiten(centred, moments)
+    torch.testing.assert_close(got[:, None].expand_as(ref)[mask], ref[mask], rtol=1e-5, atol=1e-6)
