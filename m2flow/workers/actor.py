@@ -104,6 +104,10 @@ class ActorWorker(PublishesWeights, Worker):
             grad_norms = [grad_norm]
         else:
             shares = [self._fresh(s, ages) for s in drain(inp, producers, key=self.key, alone=True)]
+            if not shares:  # every group was dropped (dynamic sampling): no data, on every rank alike
+                with self.device_phase("optimizer", step):  # the schedule advances as after any step
+                    grad_norms = [self._step(0)[0] for _ in range(a.epochs * a.mini_batches)]
+                return self._finish(stats, grad_norms, 0, ages, before, whitened)
             real = [s for s, is_real in shares if is_real]
             full = Batch.concat(real or [shares[0][0]], pad_value={"input_ids": self.tokenizer.pad_token_id})
             if self.whiten:
@@ -122,6 +126,11 @@ class ActorWorker(PublishesWeights, Worker):
                         grad_norm, learned = self._step(n)
                         grad_norms.append(grad_norm)
                         samples += learned
+        return self._finish(stats, grad_norms, samples, ages, before, whitened)
+
+    def _finish(self, stats: list, grad_norms: list, samples: int, ages: list, before: float, whitened: dict) -> dict:
+        """After a step's updates: the weight-growth guard, the new version, the step's metrics."""
+        a = self.cfg.actor
         if a.max_weight_growth:
             check_weight_growth(before, self._weight_norm(), a.max_weight_growth, a.lr)
         self.version += 1

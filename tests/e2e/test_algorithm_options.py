@@ -109,3 +109,14 @@ def test_reinforce_pp_whitens_the_group_centred_scores_over_the_steps_tokens(clu
     for r in rows:
         assert abs(r["actor/advantage_token_mean"]) < 1e-6
         assert r["actor/advantage_token_std"] == pytest.approx(1.0, abs=0.02)  # Bessel's n/(n-1) over ~100 tokens
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_dynamic_sampling_that_drops_every_group_makes_no_update(cluster, tmp_path, epochs):
+    """`algorithm.dynamic_sampling`: a group whose rewards are all equal carries no signal and is dropped. The
+    untrained model answers no sum right (exact match scores 0 everywhere), so every group goes: the step learns
+    from nothing, whether the actor streams (1 epoch) or collects the whole batch (2 epochs), and the run goes on."""
+    rows = run(cluster, tmp_path, f"dropped{epochs}", "algorithm.dynamic_sampling=true", "reward.fn=exact_match",
+               f"actor.epochs={epochs}")
+    for r in rows:
+        assert (r["reward/groups_dropped"], r["reward/groups_kept"], r["actor/samples"]) == (8, 0, 0)
