@@ -40,3 +40,14 @@ def gsm8k_answers(prompts, completions, answers):
     removed), so a mean reward of 1 says that the gsm8k layout read the questions and extracted the answers."""
     expected = [next((a for k, a in GSM8K_ANSWERS.items() if k in p), None) for p in prompts]
     return [float(e is not None and str(a) == e) for e, a in zip(expected, answers)]
+
+
+MATH_ANSWERS = {"frac{1}{4}": "\\frac{1}{2}", "2^{10}": "1024", "x^2 = 9": "3"}  # tests/fixtures/math_sample.parquet
+
+
+def math_answers(prompts, completions, answers, level, type):  # noqa: A002 - the fixture's column is named type
+    """Batched: 1 where the answer that reached the reward is the content of the fixture solution's last \\boxed{}
+    and the file's other columns (level, type) arrived as keyword arguments."""
+    expected = [next((a for k, a in MATH_ANSWERS.items() if k in p), None) for p in prompts]
+    return [float(e is not None and str(a) == e and lv.startswith("Level") and t == "Algebra")
+            for e, a, lv, t in zip(expected, answers, level, type)]

@@ -1,5 +1,6 @@
 """`data.layout` reaches a run: a GSM8K-layout JSONL file trains with its questions as prompts and the numbers
-after '####' as answers, scored by math_verify (issue 15)."""
+after '####' as answers, scored by math_verify; a MATH-layout Parquet file with its problems and the contents of each
+solution's last \\boxed{} (issue 15)."""
 
 import json
 from pathlib import Path
@@ -9,7 +10,8 @@ import pytest
 from m2flow import config as C
 from m2flow.flows.reasoning import train
 
-GSM8K = Path(__file__).resolve().parents[1] / "fixtures" / "gsm8k_sample.jsonl"  # 3 questions, one answer "2,500"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+GSM8K = FIXTURES / "gsm8k_sample.jsonl"  # 3 questions, one answer "2,500"
 
 
 def run(cluster, tmp_path, name, *overrides):
@@ -31,3 +33,9 @@ def test_a_gsm8k_layout_file_trains_on_its_questions_and_extracted_answers(clust
 
     with pytest.raises(ValueError, match=r"missing column\(s\) \['prompt'\]; columns found: \['answer', 'question'\]"):
         run(cluster, tmp_path, "plain", "data.layout=plain", "run.overwrite=true")
+
+
+def test_a_math_layout_file_trains_on_its_problems_and_boxed_answers(cluster, tmp_path):
+    rows = run(cluster, tmp_path, "math", f"data.path={FIXTURES / 'math_sample.parquet'}", "data.layout=math",
+               "reward.fn=reward_fixtures:math_answers")
+    assert [r["reward/mean"] for r in rows] == [1.0, 1.0]  # answers extracted, level and type passed along
