@@ -411,8 +411,9 @@ def main() -> int:
               + (f", algorithm.max_staleness={STALENESS[plan]}" if plan in STALENESS else ""))
     sizes = args.cpu_devices if isinstance(args.cpu_devices, list) else [max(1, CORES // args.cpu_devices)]
     print(f"threads: m2flow pipelined = one process per component and rank, pinned to its device's core(s) "
-          f"({'/'.join(map(str, sizes))}), one torch thread per core; m2flow collocated = one process for all four components (rollout.cohost) over "
-          f"all {CORES} cores, {CORES} threads, the stages taking turns; TRL = this process, torch.set_num_threads({args.trl_threads}).")
+          f"({'/'.join(map(str, sizes))}), one torch thread per core; m2flow collocated = one process for all four "
+          f"components (rollout.cohost) over all {CORES} cores, {CORES} threads, the stages taking turns; TRL = this "
+          f"process, torch.set_num_threads({args.trl_threads}).")
     print(f"median s/step = median over rounds of each run's median step; speedup vs TRL = median over quiet rounds of "
           f"TRL's median s/step / the plan's in the same round; idle = m2flow's time/idle_fraction (median step); "
           f"per-step numbers: {out / 'results.json'}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +46,7 @@ def _slices(cores: list[int], n: int | list[int]) -> list[tuple[int, ...]]:
         if sum(n) > len(cores):
             raise ValueError(f"Cluster: cpu_devices {n} asks for {sum(n)} cores, but a node has {len(cores)} "
                              f"usable cores ({cores}): give sizes that sum to at most {len(cores)}")
-        ends = [sum(n[:i + 1]) for i in range(len(n))]
-        return [tuple(cores[end - size:end]) for size, end in zip(n, ends)]
+        return [tuple(cores[end - size:end]) for size, end in zip(n, accumulate(n))]
     if n <= len(cores):
         return [tuple(cores[i * len(cores) // n:(i + 1) * len(cores) // n]) for i in range(n)]
     return [(cores[i * len(cores) // n],) for i in range(n)]
