@@ -382,6 +382,9 @@ class AlgorithmConfig:
     kl_estimator: str = opt("k3", "k1 | k2 | k3")
     entropy_coef: float = opt(0.0, "entropy bonus")
     dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal")
+    refill_rounds: int = opt(0, "DAPO dynamic sampling with refill: up to N more rounds of rollout.prompts_per_step "
+                                "prompts while fewer groups with unequal rewards than prompts_per_step were kept; the "
+                                "step trains on at most prompts_per_step groups (0: train on the groups kept)")
     overlong_buffer: int = opt(0, "DAPO's soft overlong punishment: a response longer than rollout.max_new_tokens - "
                                   "N tokens loses up to overlong_penalty of reward, linearly to the limit (0: off)")
     overlong_penalty: float = opt(1.0, "the reward a response at the length limit loses (overlong_buffer > 0)")
@@ -476,6 +479,14 @@ class ReasoningConfig:
         alg = self.algorithm
         if not isinstance(alg.max_staleness, int) or alg.max_staleness < 0:
             raise ConfigError(f"algorithm.max_staleness must be an integer >= 0, got {alg.max_staleness!r}")
+        if not isinstance(alg.refill_rounds, int) or alg.refill_rounds < 0:
+            raise ConfigError(f"algorithm.refill_rounds must be an integer >= 0, got {alg.refill_rounds!r}")
+        if alg.refill_rounds and not alg.dynamic_sampling:
+            raise ConfigError("algorithm.refill_rounds refills the groups that dynamic sampling drops: set "
+                              "algorithm.dynamic_sampling=true, or refill_rounds=0")
+        if alg.refill_rounds and alg.max_staleness:
+            raise ConfigError(f"algorithm.refill_rounds needs on-policy rollouts (max_staleness=0), got "
+                              f"max_staleness={alg.max_staleness}: a step's refill rounds run before it trains")
         if alg.behaviour_weight_cap < 1.0:
             raise ConfigError(f"algorithm.behaviour_weight_cap must be >= 1, got {alg.behaviour_weight_cap}")
         if alg.max_staleness and alg.old_logprobs == "recompute":

@@ -19,6 +19,7 @@ from m2flow import config as C
 from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
 from m2flow.flows.outputs import RunDir, idle_metrics, progress, run_dir_claimed
+from m2flow.preflight import refill_reward_ranks
 from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, running, wait_all
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
@@ -55,6 +56,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
     cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
     plan = plan or make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS,
                              cfg.rollout.prompts_per_step * cfg.rollout.n, cfg.actor.micro_batch)
+    refill_reward_ranks(cfg, len(plan["reward"].rank_devices))  # an auto plan's too
     run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
     model_path = prepare_model(cfg, run.path)
     train_set, test_set = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)
@@ -97,17 +99,45 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
             def produce(k: int) -> tuple:
                 """Start step k's rollout -> reward -> inference on the weights the rollout holds now; returns (the
                 data loader's state before step k's prompts, the stages' handles, the channel step k's training
-                batches arrive on)."""
+                batches arrive on, the metrics of refill rounds already done)."""
                 samples, scored, ready = slots[k % (lag + 1)]
                 data_state = train_set.state_dict()
-                prompts = train_set.next_batch(cfg.rollout.prompts_per_step)
-                shards = [prompts[r :: rollout.world_size] for r in range(rollout.world_size)]
+
+                def generate(draw: int = 0):
+                    prompts = train_set.next_batch(cfg.rollout.prompts_per_step)
+                    shards = [prompts[r :: rollout.world_size] for r in range(rollout.world_size)]
+                    return rollout.call_per_rank("generate", [(s, samples, k, reward.world_size, plan.micro_batch,
+                                                               draw) for s in shards])
+
+                if cfg.algorithm.refill_rounds:  # on-policy (checked): the rounds run before the step trains
+                    drawn = refill(k, generate, samples, scored)
+                    return data_state, [inference.logprobs(scored, ready, k, plan.micro_batch, reward.world_size,
+                                                           actor.world_size)], ready, drawn
                 return data_state, [
-                    rollout.call_per_rank("generate", [(s, samples, k, reward.world_size, plan.micro_batch)
-                                                       for s in shards]),
+                    generate(),
                     reward.score(samples, scored, k, rollout.world_size, inference.world_size),
                     inference.logprobs(scored, ready, k, plan.micro_batch, reward.world_size, actor.world_size),
-                ], ready
+                ], ready, {}
+
+            def refill(k: int, generate, samples, scored) -> dict:
+                """DAPO's dynamic sampling with refill: rounds of rollout.prompts_per_step fresh prompts (as veRL
+                draws them) until the reward stage holds that many groups whose rewards differ, or
+                `algorithm.refill_rounds` more rounds have run. Each round waits for its scores; the step trains on
+                what was sent (the first prompts_per_step groups kept). Returns the rounds' rollout and reward
+                metrics."""
+                target, rounds = cfg.rollout.prompts_per_step, cfg.algorithm.refill_rounds
+                tokens = seconds = 0.0
+                for draw in range(rounds + 1):
+                    gen = generate(draw)
+                    score = reward.score(samples, scored, k, rollout.world_size, inference.world_size, target, draw,
+                                         draw == rounds)
+                    made, scores = wait_all([gen, score])
+                    made = merge_metrics([made])  # over the rollout ranks, as a step's other metrics
+                    tokens, seconds = tokens + made["rollout/tokens"], seconds + made["rollout/seconds"]
+                    if scores[0]["reward/groups_kept"] >= target:
+                        break
+                return {**scores[0], "rollout/rounds": draw + 1, "rollout/tokens": tokens, "rollout/seconds": seconds,
+                        "rollout/tokens_per_s": tokens / max(seconds, 1e-9), "reward/groups_drawn": (draw + 1) * target}
 
             held_out = [test_set[i] for i in range(len(test_set))] if cfg.run.eval_every else []
 
@@ -138,7 +168,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
                     while produced < cfg.run.steps and produced <= step + lag:
                         in_flight.append(produce(produced))
                         produced += 1
-                    _, handles, ready = in_flight.popleft()
+                    _, handles, ready, drawn = in_flight.popleft()
                     handles = [*handles, actor.train(ready, step, inference.world_size)]
                     if held:  # the last step's held-out evaluation ran while this step's work was being handed out
                         log(*held)
@@ -150,7 +180,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
                     t2, w2 = time.perf_counter(), time.time()
                     spans = gather_spans(groups, clear=True)
                     trace += spans if cfg.run.trace else []
-                    last = merge_metrics(results) | idle_metrics(spans, w0, w2, devices)
+                    last = merge_metrics(results) | drawn | idle_metrics(spans, w0, w2, devices)
                     counters += [{"device": d, "time": w0, "name": "idle_fraction",
                                   "value": last[f"time/idle/device{d}"] / (w2 - w0)} for d in devices]
                     last.update({"time/step": t2 - t0, "time/rollout": last.get("rollout/seconds", 0.0),

@@ -25,14 +25,22 @@ class RewardWorker(Worker):
         self.advantage = cfg.algorithm.advantage
         fn = GROUP_ESTIMATORS.get(self.advantage)
         self.advantage_fn = get_advantage_fn(fn) if fn else None
+        self._step = None  # (step, responses' values, counts): a step's figures, over its sampling rounds
 
-    def score(self, inp, out, step: int, producers: int = 1, consumers: int = 1) -> dict:
+    def score(self, inp, out, step: int, producers: int = 1, consumers: int = 1, target: int | None = None,
+              draw: int = 0, last: bool = True) -> dict:
         """Score groups from `inp` until END; forward kept groups (with `rewards`, `advantages`) to `out`, then one
         END per consumer rank (the consumers share the queue). `rewards` are the shaped scores the advantages are made
-        of: the task reward plus DAPO's overlong penalty when `algorithm.overlong_buffer` is set."""
+        of: the task reward plus DAPO's overlong penalty when `algorithm.overlong_buffer` is set.
+
+        DAPO's refill (`target`: the groups the step trains on): round `draw` of the step forwards kept groups until
+        the step holds `target` (later ones are surplus, not sent) and ends the stream only once it does, or when it
+        is the `last` round. Its metrics count every round of the step so far."""
         alg = self.cfg.algorithm
-        seen = {"task": [], "shaped": [], "penalty": [], "length": [], "advantage": []}  # one value per response
-        count = {"kept": 0, "dropped": 0, "timeouts": 0, "errors": 0, "truncated": 0}
+        if draw == 0 or self._step is None or self._step[0] != step:  # a new step's counts
+            self._step = (step, {"task": [], "shaped": [], "penalty": [], "length": [], "advantage": []},
+                          {"kept": 0, "dropped": 0, "surplus": 0, "timeouts": 0, "errors": 0, "truncated": 0})
+        _, seen, count = self._step  # seen: one value per response
         for groups in drain_batches(inp, producers, alone=self.world_size == 1):
             scored = []
             for group in groups:
@@ -55,6 +63,9 @@ class RewardWorker(Worker):
                 if alg.dynamic_sampling and len(set(scores)) == 1:
                     count["dropped"] += 1  # DAPO: a group whose rewards are all equal carries no signal
                     continue
+                if target is not None and count["kept"] + len(scored) >= target:
+                    count["surplus"] += 1  # the step is full: DAPO's refill keeps the first `target` groups
+                    continue
                 group["rewards"] = scores
                 if self.advantage_fn is not None:
                     group["advantages"] = self.advantage_fn(torch.tensor(scores, dtype=torch.float32), None,
@@ -64,7 +75,8 @@ class RewardWorker(Worker):
             if scored:  # what one round trip brought goes on in one round trip
                 out.put_many(scored, weights=[len(g["rewards"]) for g in scored])
                 count["kept"] += len(scored)
-        finish(out, consumers)
+        if target is None or last or count["kept"] >= target:
+            finish(out, consumers)
         n = max(len(seen["task"]), 1)
         mean = lambda xs: sum(xs) / n  # noqa: E731 - over every scored response
         return {
@@ -76,5 +88,6 @@ class RewardWorker(Worker):
             "response/truncated_frac": count["truncated"] / n,  # cut at rollout.max_new_tokens, no stop token
             "reward/timeouts": count["timeouts"], "reward/errors": count["errors"],
             "reward/groups_kept": count["kept"], "reward/groups_dropped": count["dropped"],
+            "reward/groups_surplus": count["surplus"],
             "advantage/abs_mean": sum(abs(a) for a in seen["advantage"]) / max(len(seen["advantage"]), 1),
         }

@@ -36,14 +36,17 @@ class RolloutWorker(Worker):
         self.version = 0
         self.register_offloadable("model", self.model)
 
-    def generate(self, prompts: list[dict], out, step: int, consumers: int = 1, granularity: int = 1) -> dict:
+    def generate(self, prompts: list[dict], out, step: int, consumers: int = 1, granularity: int = 1,
+                 draw: int = 0) -> dict:
         """Sample `rollout.n` responses for each prompt {index, ids, answer}; put finished prompt groups into `out`
         once `granularity` samples are ready (one round trip per put; 1: each group at once), then one END per
-        consumer rank. Returns generation metrics."""
+        consumer rank. `draw`: the step's sampling round (dynamic sampling's refills are rounds 1, 2, ...: each its own
+        seed). Returns generation metrics."""
         r = self.cfg.rollout
+        seed = self.cfg.run.seed * 1_000_003 + step * 101 + self.rank + draw * 7_919
         params = SamplingParams(
             n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            stop_token_ids=[self.tokenizer.eos_token_id], seed=self.cfg.run.seed * 1_000_003 + step * 101 + self.rank,
+            stop_token_ids=[self.tokenizer.eos_token_id], seed=seed,
         )
         tokens, ready = 0, []
 

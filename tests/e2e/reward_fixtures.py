@@ -51,3 +51,9 @@ def math_answers(prompts, completions, answers, level, type):  # noqa: A002 - th
     expected = [next((a for k, a in MATH_ANSWERS.items() if k in p), None) for p in prompts]
     return [float(e is not None and str(a) == e and lv.startswith("Level") and t == "Algebra")
             for e, a, lv, t in zip(expected, answers, level, type)]
+
+
+def odd_sums_only(response: str, answer) -> float:
+    """No signal for half the prompts: 0 for every response when the sum is even (the whole group scores alike, so
+    dynamic sampling drops it), the share of digits in the response when it is odd (groups that vary)."""
+    return 0.0 if int(answer) % 2 == 0 else digit_fraction(response, answer)

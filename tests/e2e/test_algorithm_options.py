@@ -120,3 +120,44 @@ def test_dynamic_sampling_that_drops_every_group_makes_no_update(cluster, tmp_pa
                f"actor.epochs={epochs}")
     for r in rows:
         assert (r["reward/groups_dropped"], r["reward/groups_kept"], r["actor/samples"]) == (8, 0, 0)
+
+
+@pytest.mark.parametrize("placement", ["rollout,reward,inference,actor: 0-1:0", "rollout: 0; reward,inference,actor: 1"])
+def test_dynamic_sampling_refills_the_step_with_groups_whose_rewards_differ(cluster, tmp_path, placement):
+    """`algorithm.refill_rounds=N`: `odd_sums_only` gives no signal for even sums, so dynamic sampling drops about
+    half of every round's groups. Without refill a step trains on the groups left; with it, rounds of 8 fresh prompts
+    run until 8 groups are kept, and every step trains on exactly 8 x 4 samples. The groups beyond 8 in the last round
+    are surplus, never sent. Collocated (stages in one process, in turn) and pipelined (streaming) alike."""
+    common = ["algorithm.dynamic_sampling=true", "reward.fn=reward_fixtures:odd_sums_only", "run.steps=3",
+              f"cluster.placement={placement}"]
+    plain = run(cluster, tmp_path, "plain", *common)
+    full = run(cluster, tmp_path, "refill", *common, "algorithm.refill_rounds=5")
+    assert all(r["reward/groups_kept"] < 8 for r in plain)
+    assert all(r["reward/groups_kept"] == r["actor/samples"] / 4 for r in plain)
+    for r in full:
+        assert (r["reward/groups_kept"], r["actor/samples"]) == (8, 32), r
+        assert r["reward/groups_drawn"] == 8 * r["rollout/rounds"]
+        assert r["reward/groups_drawn"] == r["reward/groups_kept"] + r["reward/groups_dropped"] + \
+            r["reward/groups_surplus"]
+    assert all(r["rollout/rounds"] > 1 for r in full)
+    assert sum(r["reward/groups_surplus"] for r in full) > 0
+    assert full[0]["rollout/tokens"] > plain[0]["rollout/tokens"]  # the refill rounds' tokens are counted
+
+
+def test_refill_stops_after_its_rounds_when_no_group_has_signal(cluster, tmp_path):
+    """The untrained model answers no sum right: every round's groups are dropped, the refill gives up after
+    1 + refill_rounds rounds, and the step trains on nothing (the run goes on)."""
+    rows = run(cluster, tmp_path, "none", "algorithm.dynamic_sampling=true", "reward.fn=exact_match",
+               "algorithm.refill_rounds=2", "run.steps=1")
+    assert (rows[0]["rollout/rounds"], rows[0]["reward/groups_drawn"], rows[0]["reward/groups_dropped"],
+            rows[0]["reward/groups_kept"], rows[0]["actor/samples"]) == (3, 24, 24, 0, 0)
+
+
+def test_refill_rounds_are_checked():
+    with pytest.raises(C.ConfigError, match="set algorithm.dynamic_sampling=true"):
+        C.load(C.ReasoningConfig, None, ["algorithm.refill_rounds=2"])
+    with pytest.raises(C.ConfigError, match="needs on-policy rollouts"):
+        C.load(C.ReasoningConfig, None, ["algorithm.refill_rounds=2", "algorithm.dynamic_sampling=true",
+                                         "algorithm.max_staleness=1"])
+    with pytest.raises(C.ConfigError, match="refill_rounds must be an integer >= 0, got -1"):
+        C.load(C.ReasoningConfig, None, ["algorithm.refill_rounds=-1", "algorithm.dynamic_sampling=true"])

@@ -59,6 +59,14 @@ CASES = [
      "error: cluster.placement: placement 'rollout: 0': component(s) reward, inference, actor have no devices"),
     ("embodied placement leaves a component out", ["train", "ppo_cartpole", "cluster.placement=env,rollout: 0", *TINY],
      "error: cluster.placement: placement 'env,rollout: 0': component(s) actor have no devices"),
+    ("refill without dynamic sampling", ["train", "grpo_arithmetic", "algorithm.refill_rounds=2"],
+     "config error: algorithm.refill_rounds refills the groups that dynamic sampling drops: set "
+     "algorithm.dynamic_sampling=true"),
+    ("refill with several reward ranks", ["train", "grpo_arithmetic", "algorithm.dynamic_sampling=true",
+                                          "algorithm.refill_rounds=2",
+                                          "cluster.placement=rollout,reward,inference,actor: 0-1", *TINY],
+     "error: algorithm.refill_rounds: one reward rank counts the step's groups, but the placement gives the reward "
+     "2 ranks"),
     ("model directory missing", ["train", "grpo_arithmetic", "model.path={tmp}/nope", *TINY],
      "error: model.path: no directory at '{tmp}/nope'"),
     ("model directory without config.json", ["train", "grpo_arithmetic", "model.path={tmp}/empty", *TINY],
