@@ -59,8 +59,18 @@ class ClusterConfig:
                          "(pipelined), 'auto' (profile, then the fastest predicted plan)")
     reuse_processes: bool = opt(True, "keep the worker processes of a finished run (or profile) for the next one on "
                                       "this cluster: no new Python, no re-import of torch/transformers")
+    offload: bool | str = opt(False, "context switching of components that share a device: true (each moves its "
+                                     "weights and optimizer state off the device when its turn ends, back when its "
+                                     "next begins: disk on CPU devices) | false | auto (when the state of a device's "
+                                     "components exceeds cluster.device_memory_gb, or the auto plan offloads)")
+    device_memory_gb: float = opt(0.0, "memory of one device, for offload=auto (0: unknown, offload only where the "
+                                       "auto plan does)")
 
     def validate(self, where: str) -> None:
+        if self.offload not in (True, False, "auto"):
+            raise ConfigError(f"{where}.offload must be true | false | auto, got {self.offload!r}")
+        if self.device_memory_gb < 0:
+            raise ConfigError(f"{where}.device_memory_gb must be >= 0, got {self.device_memory_gb}")
         count = 1 if self.cpu_devices is None else self.cpu_devices
         sizes = self.cpu_devices if isinstance(self.cpu_devices, list) else [count]
         if not sizes or min(sizes) < 1:
@@ -529,6 +539,12 @@ class EmbodiedClusterConfig(ClusterConfig):
     placement: Any = opt("env,rollout,actor: 0", "component -> devices: 'env,rollout,actor: 0' (collocated, lockstep), "
                          "'env: 0; rollout: 1; actor: 0-1:0' (hybrid), 'env: 0-1; rollout,actor: 0' (two env workers), "
                          "'auto' (profile, then the fastest predicted placement and env.pipeline_stages)")
+
+    def validate(self, where: str) -> None:
+        super().validate(where)
+        if self.offload is not False:
+            raise ConfigError(f"{where}.offload: the embodied flow keeps its small policies resident (offload is "
+                              f"built for the reasoning flow); set {where}.offload=false")
 
 
 @dataclass

@@ -257,6 +257,10 @@ class NativeEngine:
         model = m.model
         return dict(embed=model.embed_tokens.weight, norm=model.norm.weight, lm_head=m.lm_head.weight, layers=layers)
 
+    def release_cache(self) -> None:
+        """Free the KV cache and RoPE tables (a context switch off the device); the next `generate` rebuilds them."""
+        self._k = self._v = self._cos = self._sin = None
+
     def _ensure_cache(self, slots: int, length: int, w: dict) -> None:
         """Allocate (or grow) the KV cache and RoPE tables to hold `slots` sequences of `length` tokens."""
         emb = w["embed"]

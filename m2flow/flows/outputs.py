@@ -266,3 +266,12 @@ def idle_metrics(spans: list[dict], start: float, end: float, devices) -> dict:
     out = {f"time/idle/device{d}": s for d, s in idle.items()}
     out["time/idle_fraction"] = sum(idle.values()) / (wall * max(len(idle), 1))
     return out
+
+
+def offload_metrics(spans: list[dict]) -> dict:
+    """Context switching in a step: `offload/seconds`, the time its spans spent moving state off and onto devices,
+    and `offload/onloads`, how many turns brought state back."""
+    moves = [s for s in spans if s.get("phase") in ("offload", "onload")]
+    return {"offload/seconds": sum(s["end"] - s["start"] for s in moves),
+            "offload/onloads": sum(s["phase"] == "onload" for s in moves)}
+

@@ -18,7 +18,7 @@ import yaml
 from m2flow import config as C
 from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
-from m2flow.flows.outputs import RunDir, idle_metrics, progress, run_dir_claimed
+from m2flow.flows.outputs import RunDir, idle_metrics, offload_metrics, progress, run_dir_claimed
 from m2flow.preflight import refill_reward_ranks
 from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, running, wait_all
 from m2flow.runtime.files import load_plain
@@ -63,7 +63,6 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
     # collocated: one process per rank hosts all four components (stages take turns in it; no process switches)
     cohost = cfg.rollout.cohost and plan.channel_maxsize == 0 and all(
         plan[c].rank_devices == plan["rollout"].rank_devices for c in COMPONENTS)
-    (run.path / "plan.yaml").write_text(yaml.safe_dump({**plan.to_dict(), "cohosted": cohost}, sort_keys=False))
 
     specs = [(RolloutWorker, plan["rollout"], (cfg, model_path)), (RewardWorker, plan["reward"], (cfg,)),
              (InferenceWorker, plan["inference"], (cfg, model_path)), (ActorWorker, plan["actor"], (cfg, model_path))]
@@ -77,6 +76,12 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
     else:
         groups = launch_all(cluster, specs, run_dir=str(run.path))
     rollout, reward, inference, actor = groups
+    switched = context_switched(cfg, plan, groups)
+    for g in switched:  # each takes its state onto the device for its turns only; off it from the start
+        g.set_context_switch(True).wait()
+        g.offload().wait()
+    (run.path / "plan.yaml").write_text(yaml.safe_dump({**plan.to_dict(), "offload": bool(switched),
+                                                        "cohosted": cohost}, sort_keys=False))
     tag = f"{run.path.resolve()}:{time.time_ns()}"
     lag = cfg.algorithm.max_staleness
     # one set of channels per step in flight (max_staleness + 1), so that no stage reads another step's items
@@ -181,6 +186,8 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
                     spans = gather_spans(groups, clear=True)
                     trace += spans if cfg.run.trace else []
                     last = merge_metrics(results) | drawn | idle_metrics(spans, w0, w2, devices)
+                    if switched:
+                        last.update(offload_metrics(spans))
                     counters += [{"device": d, "time": w0, "name": "idle_fraction",
                                   "value": last[f"time/idle/device{d}"] / (w2 - w0)} for d in devices]
                     last.update({"time/step": t2 - t0, "time/rollout": last.get("rollout/seconds", 0.0),
@@ -213,6 +220,25 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
             ch.destroy()
     return {"metrics": last, "run_dir": str(run.path), "plan": plan.to_dict(),
             "final_model": str(run.path / "checkpoints" / f"step_{cfg.run.steps}" / "model")}
+
+
+def context_switched(cfg: ReasoningConfig, plan: ExecutionPlan, groups: list) -> list:
+    """The groups that offload their state between turns (`cluster.offload`): those holding state (weights,
+    optimizer) on a device that another such group shares. true: all of them; auto: all of them where the state on
+    some device exceeds `cluster.device_memory_gb`, or where the plan offloads (an auto plan that needed it)."""
+    mode = cfg.cluster.offload
+    if mode is False:
+        return []
+    size = {g.component: max(g.state_bytes().wait()) for g in groups}
+    held = [g for g in groups if size[g.component]]
+    shared = [g for g in held if any(set(g.placement.devices) & set(o.placement.devices) for o in held if o is not g)]
+    if mode == "auto":
+        limit = cfg.cluster.device_memory_gb * 1e9
+        devices = {d for g in held for d in g.placement.devices}
+        over = limit and any(sum(size[g.component] for g in held if d in g.placement.devices) > limit for d in devices)
+        if not (over or plan.offload):
+            return []
+    return shared
 
 
 def merge_metrics(results: list[list[dict]]) -> dict:

@@ -55,20 +55,21 @@ class AutoPlan(ExecutionPlan):
                 "breakdown": self.breakdown}
 
 
-def flow_plans(profile: Profile, num_devices: int, group: int, top: int = 10) -> SearchResult:
-    """The plans the reasoning flow can run, fastest first: the search's candidates restricted to offload off (the
-    flow does not context-switch) and micro-batches of whole prompt groups (`group` = rollout.n samples), placed
-    one process per component."""
+def flow_plans(profile: Profile, num_devices: int, group: int, top: int = 10, offload: bool = False) -> SearchResult:
+    """The plans the reasoning flow can run, fastest first: the search's candidates with micro-batches of whole
+    prompt groups (`group` = rollout.n samples), placed one process per component; those that offload only with
+    `offload` (`cluster.offload` true or auto: the flow then context-switches the components sharing a device)."""
     result = search(profile, num_devices, top=1 << 30, components=COMPONENTS)
     keep = [FlowCandidate(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)}) for c in result.candidates
-            if not c.offload and (c.micro_batch % group == 0 or c.micro_batch == result.batch)]
+            if (offload or not c.offload) and (c.micro_batch % group == 0 or c.micro_batch == result.batch)]
     collocated = next((c for c in keep if c.mode == "collocated"), None)
     return dataclasses.replace(result, candidates=keep[:top], collocated=collocated)
 
 
 def plan_of(candidate: Candidate, result: SearchResult) -> AutoPlan:
     """The ExecutionPlan that launches `candidate` (a FlowCandidate)."""
-    base = make_plan(candidate.spec, result.num_devices, COMPONENTS, result.batch, candidate.micro_batch)
+    base = make_plan(candidate.spec, result.num_devices, COMPONENTS, result.batch, candidate.micro_batch,
+                     candidate.offload)
     return AutoPlan(base.placement, base.micro_batch, base.channel_maxsize, base.offload,
                     candidate.seconds, {label: round(s, 6) for label, s in candidate.prediction.parts})
 
@@ -81,9 +82,12 @@ def auto_plan(cfg, cluster: Cluster, run_dir: str | Path) -> AutoPlan:
     batch = cfg.rollout.prompts_per_step * cfg.rollout.n
     path, profile = _profile(run_dir, "reasoning", COMPONENTS,
                              lambda path: profile_reasoning(cfg, cluster, out_path=path, run_dir=run_dir))
-    result = flow_plans(dataclasses.replace(profile, batch=batch), cluster.num_devices, cfg.rollout.n, top=1 << 30)
-    _write_search(run_dir, path, result, f"{batch} samples per step", f"the reasoning flow can run (offload off, "
-                  f"micro-batches of whole groups of {cfg.rollout.n}, one process per component)")
+    offload = cfg.cluster.offload is not False
+    result = flow_plans(dataclasses.replace(profile, batch=batch), cluster.num_devices, cfg.rollout.n, top=1 << 30,
+                        offload=offload)
+    _write_search(run_dir, path, result, f"{batch} samples per step", f"the reasoning flow can run (offload "
+                  f"{'considered' if offload else 'off'}, micro-batches of whole groups of {cfg.rollout.n}, one "
+                  f"process per component)")
     return plan_of(result.best, result)
 
 

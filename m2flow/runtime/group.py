@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterable, Sequence
 
 import ray
@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .cluster import Cluster, Device
 from .lock import DeviceLock
-from .offload import offload_state, onload_state
+from .offload import offloadable_bytes, offload_state, onload_state
 from .placement import ComponentPlacement
 from .tracer import Tracer
 
@@ -127,6 +127,16 @@ class Worker:
     def set_context_switch(self, enabled: bool = True) -> None:
         """Turn on (or off) onload-on-entry / offload-on-exit around each outermost `device_phase`."""
         self.context_switch = enabled
+
+    def holding(self, phase: str, step: int | None = None):
+        """A `device_phase` where context switching is on (work that reads the registered state, e.g. publishing
+        weights or a checkpoint, needs it on the device), else nothing: the state is resident anyway."""
+        return self.device_phase(phase, step) if self.context_switch else nullcontext()
+
+    def state_bytes(self) -> int:
+        """Bytes of the state `offload()` moves (registered modules and optimizers, gradients included) that are on
+        the device now (0 while offloaded)."""
+        return offloadable_bytes(self.__dict__.get("_m2flow_offloadables", {}))
 
     def span(self, phase: str, step: int | None = None):
         """Trace the block as a span (takes no lock)."""

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["offload_state", "onload_state"]
+__all__ = ["offload_state", "onload_state", "offloadable_bytes"]
 
 _FILE = "state.safetensors"
 _GPU_FLAG = "M2FLOW_UNTESTED_GPU_OFFLOAD"
@@ -44,6 +44,13 @@ def _slots(objs: dict) -> list[tuple[str, torch.Tensor]]:
         else:
             raise TypeError(f"offload: {name!r} is a {type(obj).__name__}; expected an nn.Module or an Optimizer")
     return out
+
+
+def offloadable_bytes(objs: dict) -> int:
+    """Bytes `offload_state` would move for `objs` now: parameters, buffers, optimizer state and gradients (0 while
+    they are offloaded)."""
+    tensors = [t for _, t in _slots(objs)] + [p.grad for _, p in _grads(objs) if p.grad is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _grads(objs: dict) -> list[tuple[str, torch.nn.Parameter]]:

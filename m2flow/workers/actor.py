@@ -10,6 +10,7 @@ the model is sharded over the actor's ranks (FSDP2) and each rank trains on its 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -91,7 +92,6 @@ class ActorWorker(PublishesWeights, Worker):
         stats: list[tuple[int, dict]] = []
         ages: list[torch.Tensor] = []
         self.skipped, self.bad_loss, self.forward_tokens = 0, None, 0
-        before = self._weight_norm() if a.max_weight_growth else 0.0
         whitened = {}
         if a.mini_batches == 1 and a.epochs == 1 and not self.whiten:
             self.optimizer.zero_grad(set_to_none=True)
@@ -99,7 +99,7 @@ class ActorWorker(PublishesWeights, Worker):
             for part, real in self._parts(drain(inp, producers, key=self.key, alone=True), ages):
                 with self.device_phase("train", step):
                     seen += self._backward(self._micros(part), stats, real=real)
-            with self.device_phase("optimizer", step):
+            with self.device_phase("optimizer", step), self._growth_guard():
                 grad_norm, samples = self._step(seen)
             grad_norms = [grad_norm]
         else:
@@ -107,14 +107,14 @@ class ActorWorker(PublishesWeights, Worker):
             if not shares:  # every group was dropped (dynamic sampling): no data, on every rank alike
                 with self.device_phase("optimizer", step):  # the schedule advances as after any step
                     grad_norms = [self._step(0)[0] for _ in range(a.epochs * a.mini_batches)]
-                return self._finish(stats, grad_norms, 0, ages, before, whitened)
+                return self._finish(stats, grad_norms, 0, ages, whitened)
             real = [s for s, is_real in shares if is_real]
             full = Batch.concat(real or [shares[0][0]], pad_value={"input_ids": self.tokenizer.pad_token_id})
             if self.whiten:
                 whitened = self._whiten(full, bool(real))
             gen = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + step)
             grad_norms, samples = [], 0
-            with self.device_phase("train", step):
+            with self.device_phase("train", step), self._growth_guard():
                 if self.decoupled:  # the proximal policy: this step's weights, before its first update
                     full["prox_logprobs"] = self._logprobs(full)
                 for _ in range(a.epochs):
@@ -126,13 +126,10 @@ class ActorWorker(PublishesWeights, Worker):
                         grad_norm, learned = self._step(n)
                         grad_norms.append(grad_norm)
                         samples += learned
-        return self._finish(stats, grad_norms, samples, ages, before, whitened)
+        return self._finish(stats, grad_norms, samples, ages, whitened)
 
-    def _finish(self, stats: list, grad_norms: list, samples: int, ages: list, before: float, whitened: dict) -> dict:
-        """After a step's updates: the weight-growth guard, the new version, the step's metrics."""
-        a = self.cfg.actor
-        if a.max_weight_growth:
-            check_weight_growth(before, self._weight_norm(), a.max_weight_growth, a.lr)
+    def _finish(self, stats: list, grad_norms: list, samples: int, ages: list, whitened: dict) -> dict:
+        """After a step's updates: the new version, the step's metrics."""
         self.version += 1
         out = weighted_mean(stats) | whitened
         grad_norms = [g for g in grad_norms if math.isfinite(g)] or [0.0]  # a skipped update's is not a figure
@@ -301,7 +298,18 @@ class ActorWorker(PublishesWeights, Worker):
             return norm, 0
         self.optimizer.step()
         self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)  # no stale gradient is kept (nor offloaded) until the next step
         return norm, total
+
+    @contextmanager
+    def _growth_guard(self):
+        """Around a step's updates (inside the device phase that makes them, where the weights are on the device):
+        stop the run if they grew more than `actor.max_weight_growth` allows."""
+        a = self.cfg.actor
+        before = self._weight_norm() if a.max_weight_growth else 0.0
+        yield
+        if a.max_weight_growth:
+            check_weight_growth(before, self._weight_norm(), a.max_weight_growth, a.lr)
 
     def _weight_norm(self) -> float:
         """The 2-norm of all the weights (summed over the shards of a sharded actor)."""
@@ -313,20 +321,22 @@ class ActorWorker(PublishesWeights, Worker):
         """Rank 0 publishes the full weights (a sharded actor gathers them one tensor at a time, every rank taking
         part, and publishes them in buckets), with their digest when the receivers' copies are to be `check`ed;
         other ranks return None. `local`: every receiver lives in rank 0's process (co-hosted): no object store."""
-        items = full_state_items(self.model) if self.sharded else self.model.state_dict()
-        if self.rank == 0:
-            return publish(items, self.version, digest=check, local=local)
-        for _ in items:
-            pass
-        return None
+        with self.holding("publish", self.version):
+            items = full_state_items(self.model) if self.sharded else self.model.state_dict()
+            if self.rank == 0:
+                return publish(items, self.version, digest=check, local=local)
+            for _ in items:
+                pass
+            return None
 
     def save_checkpoint(self, directory: str) -> None:
         """Under `directory`: `actor_dcp/` (model + optimizer as a distributed checkpoint, one shard file per rank,
         loadable on any rank count), `model/` (a single HF model directory) and `actor_state.pt` (scheduler,
         version, RNG). Every rank must call it."""
         d = Path(directory)
-        save_sharded(self.model, self.optimizer, d / "actor_dcp")
-        export_hf(self.model, d / "model", self.tokenizer, self.rank)
+        with self.holding("checkpoint", self.version):
+            save_sharded(self.model, self.optimizer, d / "actor_dcp")
+            export_hf(self.model, d / "model", self.tokenizer, self.rank)
         if self.rank == 0:
             torch.save({"scheduler": self.scheduler.state_dict(), "version": self.version,
                         "torch_rng": torch.get_rng_state(), "world_size": self.world_size}, d / "actor_state.pt")
@@ -334,7 +344,8 @@ class ActorWorker(PublishesWeights, Worker):
     def load_checkpoint(self, directory: str) -> int:
         """Resume from `save_checkpoint`'s output, whatever rank count wrote it."""
         d = Path(directory)
-        load_sharded(self.model, self.optimizer, d / "actor_dcp")
+        with self.holding("checkpoint"):
+            load_sharded(self.model, self.optimizer, d / "actor_dcp")
         s = load_plain(d / "actor_state.pt")
         self.scheduler.load_state_dict(s["scheduler"])
         self.version = s["version"]

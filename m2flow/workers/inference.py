@@ -100,6 +100,6 @@ class InferenceWorker(Worker):
         if self.model is None:
             raise RuntimeError("inference: load_weights() called, but this worker holds no policy copy "
                                "(old logprobs come from the rollout); the flow syncs only the workers that need it")
-        with self.device_phase("weight_sync", weights.version):
+        with self.device_phase("weight_sync", weights.version):  # the digest too: with offload the model is off after
             load_into(self.model, weights)
-        return loaded_digest(self.model, weights)
+            return loaded_digest(self.model, weights)

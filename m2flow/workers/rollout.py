@@ -77,13 +77,20 @@ class RolloutWorker(Worker):
         finish(out, consumers)
         return {"rollout/tokens": tokens, "rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
 
+    def offload(self) -> None:
+        """The model off the device (between context-switched turns), and the engine's KV cache freed with it."""
+        super().offload()
+        release = getattr(self.engine, "release_cache", None)  # the native engine's; HF generate keeps none
+        if release is not None:
+            release()
+
     def load_weights(self, weights: WeightsRef) -> str | None:
         """Copy the actor's published weights into the engine's model in place; returns their digest (None when not
         checked)."""
-        with self.device_phase("weight_sync", weights.version):
+        with self.device_phase("weight_sync", weights.version):  # the digest too: with offload the model is off after
             load_into(self.model, weights)
             self.version = weights.version
-        return loaded_digest(self.model, weights)
+            return loaded_digest(self.model, weights)
 
     def evaluate(self, problems: list[dict], k: int = 1, step: int | None = None) -> dict:
         """Greedy pass@1 (and sampled pass@k when k > 1) of the weights this worker holds now, over held-out problems

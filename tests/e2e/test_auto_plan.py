@@ -38,6 +38,26 @@ def test_flow_plans_are_runnable_by_the_flow():
         assert placement.mode == c.mode
 
 
+def test_flow_plans_offload_where_the_resident_state_does_not_fit_when_offload_is_allowed():
+    """With devices too small for every component's state at once, only plans that offload fit: with
+    `cluster.offload` allowed (`offload=True`) the planner offers them and the plan it launches offloads; without, it
+    offers none of them."""
+    import dataclasses
+
+    from m2flow.planning.auto import plan_of
+
+    p = Profile.load(Path(__file__).resolve().parents[1] / "fixtures" / "profiles" / "reasoning_8xh100.json")
+    # on one device the four components' state and activations need 246 GB resident, 122 GB with offload
+    big, small = (dataclasses.replace(p, machine=dataclasses.replace(p.machine, devices=1, memory_bytes=int(gb * 1e9)))
+                  for gb in (300, 150))
+    fits = flow_plans(big, 1, group=8, top=1000, offload=True)
+    assert not fits.best.offload  # memory enough: offloading only costs switch time
+    tight = flow_plans(small, 1, group=8, top=1000, offload=True)
+    assert tight.candidates and all(c.offload for c in tight.candidates)
+    assert plan_of(tight.best, tight).offload
+    assert not flow_plans(small, 1, group=8, top=1000).candidates
+
+
 @pytest.mark.timeout(1800)  # 5-6 min at a load average of 15 on 2 cores (8 profiling + 16 flow worker launches)
 def test_auto_picks_the_plan_it_predicts_fastest_and_every_plan_runs(cluster, tmp_path):
     cfg = make_cfg(tmp_path)
