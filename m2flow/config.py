@@ -378,9 +378,13 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = opt("grpo", "grpo (reasoning PPO with a critic is not built yet)")
+    name: str = opt("grpo", "grpo (group-relative advantages, no critic) | ppo (a critic component values every "
+                            "response token; token-level GAE; set advantage=gae)")
     advantage: str = opt("grpo", "advantage estimator: grpo | dr_grpo | rloo | reinforce_pp (REINFORCE++ with a "
-                                 "group baseline: the group-centred score whitened over the step's tokens)")
+                                 "group baseline: the group-centred score whitened over the step's tokens) | gae "
+                                 "(name=ppo: the critic's token-level GAE, whitened over the step's tokens)")
+    gamma: float = opt(1.0, "name=ppo: discount per response token in GAE")
+    lam: float = opt(1.0, "name=ppo: GAE lambda")
     clip_low: float = opt(0.2, "PPO clip epsilon below 1")
     clip_high: float = opt(0.28, "PPO clip epsilon above 1 (clip-higher)")
     dual_clip: float | None = opt(None, "dual-clip constant c (> 1), None: off")
@@ -451,10 +455,45 @@ class ActorConfig:
 
 
 @dataclass
+class CriticConfig:
+    lr: float = opt(1e-5, "algorithm.name=ppo: the critic's AdamW learning rate (betas, eps: actor's)")
+    weight_decay: float = opt(0.0, "the critic's AdamW weight decay")
+    value_clip: float = opt(0.5, "PPO value clipping: a new value counts at most this far from the one the "
+                                 "advantages were made of")
+    grad_clip: float = opt(1.0, "the critic's max gradient norm")
+    warmup_steps: int = opt(0, "steps at the start in which only the critic learns (the actor's weights stay)")
+
+    def validate(self, where: str) -> None:
+        if self.lr <= 0 or self.value_clip <= 0 or self.grad_clip <= 0 or self.warmup_steps < 0:
+            raise ConfigError(f"{where}: need lr, value_clip, grad_clip > 0 and warmup_steps >= 0")
+
+
+@dataclass
 class SFTConfig:
     steps: int = opt(0, "supervised warm-start steps on the task's reference answers before RL (0: none)")
     batch_size: int = opt(64, "SFT batch size")
     lr: float = opt(3e-3, "SFT learning rate (cosine decay)")
+
+
+def refill_reward_ranks(cfg, ranks: int) -> None:
+    """DAPO's refill counts a step's kept groups in one place: the reward stage must have one rank (checked against
+    the placement before Ray starts, and against an auto plan by the flow)."""
+    if cfg.algorithm.refill_rounds and ranks > 1:
+        raise UserError(f"algorithm.refill_rounds: one reward rank counts the step's groups, but the placement "
+                        f"gives the reward {ranks} ranks; place reward on one device (e.g. "
+                        f"'rollout,reward,inference,actor: 0-1:0'), or set algorithm.refill_rounds=0")
+
+
+def with_critic(placement):
+    """A reasoning placement with the critic placed: as given where it names `critic`, else beside the actor (the
+    actor's entry gains `critic`: `rollout: 0; reward,inference,actor: 1` -> `...,actor,critic: 1`)."""
+    spec = "; ".join(f"{k}: {v}" for k, v in placement.items()) if isinstance(placement, dict) else placement
+    entries = [e.strip() for e in str(spec).split(";") if e.strip()]
+    named = [[n.strip() for n in e.partition(":")[0].split(",")] for e in entries]
+    if any("critic" in names for names in named) or not any("actor" in names for names in named):
+        return placement  # placed already; or no actor: the placement check names what is missing
+    return "; ".join(",".join(names + ["critic"] if "actor" in names else names) + ":" + e.partition(":")[2]
+                     for names, e in zip(named, entries))
 
 
 @dataclass
@@ -466,16 +505,29 @@ class ReasoningConfig:
     rollout: RolloutConfig = section(RolloutConfig, "generation")
     reward: RewardConfig = section(RewardConfig, "scoring")
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "advantages and losses")
-    actor: ActorConfig = section(ActorConfig, "policy (and critic) training")
+    actor: ActorConfig = section(ActorConfig, "policy training (epochs and mini-batches: the critic's too)")
+    critic: CriticConfig = section(CriticConfig, "algorithm.name=ppo: the value model")
     sft: SFTConfig = section(SFTConfig, "supervised warm start")
 
     def validate(self, where: str) -> None:
-        if self.algorithm.name != "grpo":
-            raise ConfigError(f"algorithm.name: the reasoning flow trains grpo (group-relative advantages); "
-                              f"'{self.algorithm.name}' (a critic worker) is not built yet")
-        if self.algorithm.advantage not in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
-            raise ConfigError(f"algorithm.advantage must be grpo | dr_grpo | rloo | reinforce_pp for the reasoning "
-                              f"flow, got '{self.algorithm.advantage}'")
+        alg = self.algorithm
+        if alg.name not in ("grpo", "ppo"):
+            raise ConfigError(f"algorithm.name: must be grpo | ppo for the reasoning flow, got '{alg.name}'")
+        if alg.name == "ppo" and alg.advantage != "gae":
+            raise ConfigError(f"algorithm.name=ppo learns from the critic's token-level GAE: set "
+                              f"algorithm.advantage=gae (got '{alg.advantage}')")
+        if alg.advantage not in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae") or (
+                alg.advantage == "gae" and alg.name != "ppo"):
+            raise ConfigError(f"algorithm.advantage must be grpo | dr_grpo | rloo | reinforce_pp (gae with "
+                              f"name=ppo) for the reasoning flow, got '{alg.advantage}'")
+        if not (0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1):
+            raise ConfigError(f"algorithm.gamma and lam must lie in [0, 1], got {alg.gamma} and {alg.lam}")
+        if alg.name == "ppo":
+            if self.cluster.placement == "auto":
+                raise ConfigError("cluster.placement=auto: the planner does not profile the critic yet; with "
+                                  "algorithm.name=ppo name a placement (the critic goes beside the actor unless "
+                                  "the placement names it)")
+            self.cluster.placement = with_critic(self.cluster.placement)
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be >= 2 for grpo (advantages are relative within a group)")
         if not 0 <= self.algorithm.overlong_buffer <= self.rollout.max_new_tokens:

@@ -68,22 +68,14 @@ def _placement(cfg) -> None:
     if spec == "auto" or devices is None:
         return
     components = ["env", "rollout", "actor"] if isinstance(cfg, C.EmbodiedConfig) else [
-        "rollout", "reward", "inference", "actor"]
+        "rollout", "reward", "inference", "actor", *(["critic"] if cfg.algorithm.name == "ppo" else [])]
     try:
         placed = parse_placement(spec, devices, components)
     except PlacementError as e:
         raise C.UserError(f"cluster.placement: {e} (this machine gives {devices} device(s); cluster.cpu_devices "
                           f"sets how many CPU devices)") from None
     if isinstance(cfg, C.ReasoningConfig):
-        refill_reward_ranks(cfg, placed["reward"].world_size)
-
-
-def refill_reward_ranks(cfg, ranks: int) -> None:
-    """DAPO's refill counts a step's kept groups in one place: the reward stage must have one rank."""
-    if cfg.algorithm.refill_rounds and ranks > 1:
-        raise C.UserError(f"algorithm.refill_rounds: one reward rank counts the step's groups, but the placement "
-                          f"gives the reward {ranks} ranks; place reward on one device (e.g. "
-                          f"'rollout,reward,inference,actor: 0-1:0'), or set algorithm.refill_rounds=0")
+        C.refill_reward_ranks(cfg, placed["reward"].world_size)
 
 
 def _model_dir(path: str) -> None:

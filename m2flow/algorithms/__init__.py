@@ -3,7 +3,7 @@ Imports torch and the standard library only; knows nothing of workers, devices o
 
 from .advantages import (dr_grpo_advantages, embodied_grpo_advantages, first_episode_mask, gae,
                          group_normalize, grpo_advantages, reinforce_pp_advantages, rloo_advantages,
-                         shift_values, token_moments, whiten)
+                         response_gae, shift_values, token_moments, token_rewards, whiten)
 from .common import AGG_MODES, aggregate, masked_mean, masked_std
 from .kl import KL_ESTIMATORS, entropy_from_logits, kl_k1, kl_k2, kl_k3, kl_loss, mean_entropy
 from .losses import (behaviour_weights, gspo_loss, policy_loss, sample_policy_loss, sample_value_loss,
@@ -12,7 +12,7 @@ from .registry import ADVANTAGES, POLICY_LOSSES, get_advantage_fn, get_kl_estima
 from .sampling import filter_groups, overlong_filter, overlong_penalty
 
 __all__ = [
-    "gae", "shift_values", "first_episode_mask", "group_normalize", "grpo_advantages",
+    "gae", "response_gae", "token_rewards", "shift_values", "first_episode_mask", "group_normalize", "grpo_advantages",
     "dr_grpo_advantages", "rloo_advantages", "reinforce_pp_advantages", "embodied_grpo_advantages",
     "token_moments", "whiten",
     "policy_loss", "gspo_loss", "behaviour_weights", "value_loss", "sample_policy_loss", "sample_value_loss", "kl_k1", "kl_k2", "kl_k3", "kl_loss",

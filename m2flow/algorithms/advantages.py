@@ -57,6 +57,30 @@ def gae(rewards: Tensor, values: Tensor, terminated: Tensor, truncated: Tensor, 
     return advantages, advantages + values
 
 
+def token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
+    """[B] response scores -> [B, L] token rewards: each score at its response's last token (mask [B, L], 1 on
+    response tokens), 0 elsewhere (a row without response tokens gets none)."""
+    m = mask.float()
+    last = m.shape[1] - 1 - torch.flip(m, dims=[1]).argmax(dim=1)  # the last column where the mask is 1
+    out = torch.zeros_like(m)
+    out[torch.arange(len(scores)), last] = scores.float() * (m.sum(1) > 0)
+    return out
+
+
+def response_gae(scores: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0,
+                 lam: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Token-level GAE of LM responses (reasoning PPO): each response is an episode that ends at its last token with
+    reward `scores` [B]; `values`, `mask` [B, L] token-aligned (values[b, t]: V of the state that generated the token
+    at t). Returns (advantages, returns) [B, L], 0 outside the responses. `gae` on the [L, B] transposes, terminated
+    at each response's last token (no bootstrap after it)."""
+    m = mask.float()
+    ends = m.bool() & ~torch.cat([m[:, 1:], m.new_zeros(m.shape[0], 1)], 1).bool()
+    v = (values * m).T
+    adv, ret = gae(token_rewards(scores, m).T, v, ends.T, torch.zeros_like(ends.T),
+                   shift_values(v, v.new_zeros(v.shape[1])), gamma=gamma, lam=lam)
+    return adv.T * m, ret.T * m
+
+
 @torch.no_grad()
 def shift_values(values: Tensor, last_values: Tensor, truncated: Tensor | None = None,
                  final_values: Tensor | None = None) -> Tensor:

@@ -19,12 +19,12 @@ from m2flow import config as C
 from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
 from m2flow.flows.outputs import RunDir, idle_metrics, offload_metrics, progress, run_dir_claimed
-from m2flow.preflight import refill_reward_ranks
 from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, running, wait_all
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import ExecutionPlan, make_plan
 from m2flow.workers.actor import ActorWorker
+from m2flow.workers.critic import CriticWorker
 from m2flow.workers.inference import InferenceWorker
 from m2flow.workers.reward import RewardWorker
 from m2flow.workers.rollout import RolloutWorker
@@ -32,7 +32,7 @@ from m2flow.workers.sync import sync_weights
 from m2flow.workloads.reasoning.tasks import build_datasets
 from m2flow.workloads.reasoning.warm_start import prepare_model
 
-COMPONENTS = ["rollout", "reward", "inference", "actor"]
+COMPONENTS = ["rollout", "reward", "inference", "actor"]  # algorithm.name=ppo adds "critic" (`components`)
 PLOTS = {
     "reward": ["reward/mean", "reward/accuracy"],
     "response_length": ["response/length_mean"],
@@ -54,28 +54,37 @@ def train(cfg: ReasoningConfig, cluster: Cluster | None = None, plan: ExecutionP
 def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | None) -> dict:
     """The flow, in its claimed run directory."""
     cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
-    plan = plan or make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS,
+    names = components(cfg)
+    plan = plan or make_plan(cfg.cluster.placement, cluster.num_devices, names,
                              cfg.rollout.prompts_per_step * cfg.rollout.n, cfg.actor.micro_batch)
-    refill_reward_ranks(cfg, len(plan["reward"].rank_devices))  # an auto plan's too
+    C.refill_reward_ranks(cfg, len(plan["reward"].rank_devices))  # an auto plan's too
+    if "critic" in names and len(plan["critic"].rank_devices) > 1:
+        raise C.UserError(f"cluster.placement: the critic holds the whole step's batch (GAE runs over every response, "
+                          f"the advantages are whitened over the step), so it takes one rank; the placement gives it "
+                          f"{len(plan['critic'].rank_devices)} (place it as 'critic: 0-1:0' for one process over both)")
     run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
     model_path = prepare_model(cfg, run.path)
     train_set, test_set = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)
-    # collocated: one process per rank hosts all four components (stages take turns in it; no process switches)
+    # collocated: one process per rank hosts every component (stages take turns in it; no process switches)
     cohost = cfg.rollout.cohost and plan.channel_maxsize == 0 and all(
-        plan[c].rank_devices == plan["rollout"].rank_devices for c in COMPONENTS)
+        plan[c].rank_devices == plan["rollout"].rank_devices for c in names)
 
     specs = [(RolloutWorker, plan["rollout"], (cfg, model_path)), (RewardWorker, plan["reward"], (cfg,)),
-             (InferenceWorker, plan["inference"], (cfg, model_path)), (ActorWorker, plan["actor"], (cfg, model_path))]
+             (InferenceWorker, plan["inference"], (cfg, model_path)),
+             *([(CriticWorker, plan["critic"], (cfg, model_path))] if "critic" in names else []),
+             (ActorWorker, plan["actor"], (cfg, model_path))]
     if cohost:
         (rollout,) = launch_all(cluster, specs[:1], run_dir=str(run.path))
         try:
-            groups = [rollout, *launch_all(cluster, specs[1:], run_dir=str(run.path), host_with=[rollout] * 3)]
+            groups = [rollout, *launch_all(cluster, specs[1:], run_dir=str(run.path),
+                                           host_with=[rollout] * (len(specs) - 1))]
         except BaseException:
             rollout.kill()
             raise
     else:
         groups = launch_all(cluster, specs, run_dir=str(run.path))
-    rollout, reward, inference, actor = groups
+    rollout, reward, inference, *critics, actor = groups
+    critic = critics[0] if critics else None  # PPO: values the tokens between inference and actor
     switched = context_switched(cfg, plan, groups)
     for g in switched:  # each takes its state onto the device for its turns only; off it from the start
         g.set_context_switch(True).wait()
@@ -85,7 +94,8 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
     tag = f"{run.path.resolve()}:{time.time_ns()}"
     lag = cfg.algorithm.max_staleness
     # one set of channels per step in flight (max_staleness + 1), so that no stage reads another step's items
-    slots = [tuple(Channel.create(f"{tag}/{n}{i}", maxsize=plan.channel_maxsize) for n in ("samples", "scored", "ready"))
+    hops = ("samples", "scored", "ready", *(["valued"] if critic else []))
+    slots = [tuple(Channel.create(f"{tag}/{n}{i}", maxsize=plan.channel_maxsize) for n in hops)
              for i in range(lag + 1)]
 
     try:
@@ -94,6 +104,8 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
             if cfg.run.resume and (found := run.latest_checkpoint()):
                 start, ckpt = found
                 actor.load_checkpoint(str(ckpt)).wait()
+                if critic:
+                    critic.load_checkpoint(str(ckpt)).wait()
                 restore_driver_state(ckpt, train_set)
                 run.drop_metrics_after(start)
             # who holds the current policy
@@ -105,7 +117,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
                 """Start step k's rollout -> reward -> inference on the weights the rollout holds now; returns (the
                 data loader's state before step k's prompts, the stages' handles, the channel step k's training
                 batches arrive on, the metrics of refill rounds already done)."""
-                samples, scored, ready = slots[k % (lag + 1)]
+                samples, scored, ready, *valued = slots[k % (lag + 1)]
                 data_state = train_set.state_dict()
 
                 def generate(draw: int = 0):
@@ -114,15 +126,23 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
                     return rollout.call_per_rank("generate", [(s, samples, k, reward.world_size, plan.micro_batch,
                                                                draw) for s in shards])
 
+                def after_scoring() -> list:
+                    """Inference (old and reference logprobs), then with PPO the critic (values, GAE)."""
+                    if not critic:
+                        return [inference.logprobs(scored, ready, k, plan.micro_batch, reward.world_size,
+                                                   actor.world_size)]
+                    return [inference.logprobs(scored, ready, k, plan.micro_batch, reward.world_size,
+                                               critic.world_size),
+                            critic.values(ready, valued[0], k, inference.world_size, actor.world_size)]
+
                 if cfg.algorithm.refill_rounds:  # on-policy (checked): the rounds run before the step trains
                     drawn = refill(k, generate, samples, scored)
-                    return data_state, [inference.logprobs(scored, ready, k, plan.micro_batch, reward.world_size,
-                                                           actor.world_size)], ready, drawn
+                    return data_state, after_scoring(), (valued or [ready])[0], drawn
                 return data_state, [
                     generate(),
                     reward.score(samples, scored, k, rollout.world_size, inference.world_size),
-                    inference.logprobs(scored, ready, k, plan.micro_batch, reward.world_size, actor.world_size),
-                ], ready, {}
+                    *after_scoring(),
+                ], (valued or [ready])[0], {}
 
             def refill(k: int, generate, samples, scored) -> dict:
                 """DAPO's dynamic sampling with refill: rounds of rollout.prompts_per_step fresh prompts (as veRL
@@ -174,7 +194,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
                         in_flight.append(produce(produced))
                         produced += 1
                     _, handles, ready, drawn = in_flight.popleft()
-                    handles = [*handles, actor.train(ready, step, inference.world_size)]
+                    handles = [*handles, actor.train(ready, step, (critic or inference).world_size)]
                     if held:  # the last step's held-out evaluation ran while this step's work was being handed out
                         log(*held)
                         held = None
@@ -200,7 +220,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
                         log(step + 1, last, evaluation)  # the metrics never run behind a checkpoint
                         # a resume regenerates the steps in flight: it restarts the data where step + 1's prompts began
                         data_state = in_flight[0][0] if in_flight else train_set.state_dict()
-                        save_checkpoint(run, cfg, step + 1, actor, data_state)
+                        save_checkpoint(run, cfg, step + 1, [actor, *critics], data_state)
                     elif evaluation:
                         held = (step + 1, last, evaluation)
                     else:
@@ -220,6 +240,11 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
             ch.destroy()
     return {"metrics": last, "run_dir": str(run.path), "plan": plan.to_dict(),
             "final_model": str(run.path / "checkpoints" / f"step_{cfg.run.steps}" / "model")}
+
+
+def components(cfg: ReasoningConfig) -> list[str]:
+    """The flow's components: rollout, reward, inference, actor; and the critic with `algorithm.name=ppo`."""
+    return [*COMPONENTS[:3], "critic", "actor"] if cfg.algorithm.name == "ppo" else list(COMPONENTS)
 
 
 def context_switched(cfg: ReasoningConfig, plan: ExecutionPlan, groups: list) -> list:
@@ -251,11 +276,11 @@ def merge_metrics(results: list[list[dict]]) -> dict:
     return out
 
 
-def save_checkpoint(run: RunDir, cfg: ReasoningConfig, step: int, actor, data_state: dict) -> None:
-    """checkpoints/step_N/: the actor's shards and HF model/, the driver's data order and RNG, the run's config (what
-    `m2flow eval` evaluates the checkpoint under)."""
+def save_checkpoint(run: RunDir, cfg: ReasoningConfig, step: int, trainers: list, data_state: dict) -> None:
+    """checkpoints/step_N/: the actor's shards and HF model/ (and with PPO the critic's `critic_dcp/`), the driver's
+    data order and RNG, the run's config (what `m2flow eval` evaluates the checkpoint under)."""
     def write(tmp: Path) -> None:
-        actor.save_checkpoint(str(tmp)).wait()  # every rank writes its shards
+        wait_all([g.save_checkpoint(str(tmp)) for g in trainers])  # every rank writes its shards
         torch.save({"data": data_state, "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
                     "step": step}, tmp / "driver.pt")
         C.save_yaml(cfg, tmp / "config.yaml")

@@ -89,6 +89,10 @@ class ActorWorker(PublishesWeights, Worker):
         mean over the whole global batch, on one rank or summed over data-parallel ranks. Samples generated more
         than `algorithm.max_staleness` weight versions ago are dropped, never trained on (`actor/stale_dropped`)."""
         a = self.cfg.actor
+        if step < self.cfg.critic.warmup_steps and self.cfg.algorithm.name == "ppo":  # only the critic learns yet
+            samples = sum(len(b) for b in drain(inp, producers, key=self.key, alone=True))
+            return {"actor/samples": 0, "actor/warmup": 1, "actor/lr": self.scheduler.get_last_lr()[0],
+                    "actor/skipped_samples": samples}
         stats: list[tuple[int, dict]] = []
         ages: list[torch.Tensor] = []
         self.skipped, self.bad_loss, self.forward_tokens = 0, None, 0
@@ -258,7 +262,8 @@ class ActorWorker(PublishesWeights, Worker):
         logprobs, entropy = token_logprobs_and_entropy(self.model, micro.tensors, self.cfg.rollout.temperature,
                                                        entropy_grad=bool(alg.entropy_coef),
                                                        share_prompts=self.share_prompts)
-        advantages = micro["advantages"].view(-1, 1) * mask
+        advantages = micro["advantages"]  # one per response (GRPO), or one per token (PPO's GAE)
+        advantages = (advantages.view(-1, 1) if advantages.dim() == 1 else advantages) * mask
         old = micro["old_logprobs"]
         if self.decoupled:  # PPO clips against the proximal policy; the behaviour gap is an importance weight
             prox = micro["prox_logprobs"] if "prox_logprobs" in micro else logprobs.detach()

@@ -289,3 +289,28 @@ def test_whiten_by_token_moments_equals_reinforce_pp_with_a_group_baseline():
     moments = token_moments(centred[:5], lengths[:5]) + token_moments(centred[5:], lengths[5:])  # two shares
     got = whiten(centred, moments)
     torch.testing.assert_close(got[:, None].expand_as(ref)[mask], ref[mask], rtol=1e-5, atol=1e-6)
+
+
+def test_response_gae_runs_backwards_over_each_response_from_its_last_token():
+    """Two responses at different columns (prompts of 2 and 1 tokens), right-padded: the reward sits on each one's
+    last token, and A_t = delta_t + gamma lam A_{t+1} inside the response, nothing outside it."""
+    from m2flow.algorithms import response_gae, token_rewards
+
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0]], dtype=torch.float32)
+    values = torch.tensor([[9, 9, 0.5, 0.2, 0.1, 9], [9, 0.3, 0.4, 9, 9, 9]])  # 9: outside, never read
+    scores = torch.tensor([1.0, -1.0])
+    assert token_rewards(scores, mask).tolist() == [[0, 0, 0, 0, 1, 0], [0, 0, -1, 0, 0, 0]]
+    g, lam = 0.9, 0.8
+    adv, ret = response_gae(scores, values, mask, gamma=g, lam=lam)
+    d4 = 1 - 0.1
+    d3 = g * 0.1 - 0.2
+    d2 = g * 0.2 - 0.5
+    want0 = [0, 0, d2 + g * lam * (d3 + g * lam * d4), d3 + g * lam * d4, d4, 0]
+    e2 = -1 - 0.4
+    e1 = g * 0.4 - 0.3
+    want1 = [0, e1 + g * lam * e2, e2, 0, 0, 0]
+    torch.testing.assert_close(adv, torch.tensor([want0, want1]))
+    torch.testing.assert_close(ret, (adv + values) * mask)
+    # gamma = lam = 1 (the reasoning default): every token's return is the response's score
+    _, ret1 = response_gae(scores, values, mask)
+    torch.testing.assert_close(ret1, token_rewards(scores, mask).sum(1, keepdim=True) * mask)
