@@ -58,10 +58,6 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
     plan = plan or make_plan(cfg.cluster.placement, cluster.num_devices, names,
                              cfg.rollout.prompts_per_step * cfg.rollout.n, cfg.actor.micro_batch)
     C.refill_reward_ranks(cfg, len(plan["reward"].rank_devices))  # an auto plan's too
-    if "critic" in names and len(plan["critic"].rank_devices) > 1:
-        raise C.UserError(f"cluster.placement: the critic holds the whole step's batch (GAE runs over every response, "
-                          f"the advantages are whitened over the step), so it takes one rank; the placement gives it "
-                          f"{len(plan['critic'].rank_devices)} (place it as 'critic: 0-1:0' for one process over both)")
     run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
     model_path = prepare_model(cfg, run.path)
     train_set, test_set = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)

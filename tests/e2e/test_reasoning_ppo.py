@@ -52,6 +52,29 @@ def test_ppo_resumes_the_critic_with_the_actor(cluster, tmp_path):
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k, a[k], b[k])
 
 
+def test_a_critic_sharded_over_two_ranks_trains_as_one_process_and_resumes_on_one(cluster, tmp_path):
+    """Critic and actor on 2 ranks each (FSDP2), every rank valuing and training on its share of the step, the
+    advantages whitened over both shares' tokens: the same values, advantages and updates as one process each (to
+    float rounding). The critic's checkpoint holds a shard per rank; the run resumes with a 1-rank critic."""
+    one = run(cluster, tmp_path, "one", "cluster.placement=rollout,reward,inference: 0; actor,critic: 1")
+    two = run(cluster, tmp_path, "two", "actor.backend=fsdp2", "run.save_every=2",
+              "cluster.placement=rollout,reward,inference: 0; actor,critic: 0-1")
+    for a, b in zip(one, two, strict=True):
+        assert b["critic/samples"] == a["critic/samples"] == 32
+        assert a["reward/mean"] == b["reward/mean"]  # the same samples
+        for k in ("critic/value_mean", "critic/return_mean", "critic/vf_loss", "critic/advantage_std",
+                  "critic/explained_var", "critic/grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k, a[k], b[k])
+        # the actor's: step 1 to rounding; step 2 within 1% (Adam's first step moves each weight by about lr x the
+        # sign of its gradient, so float rounding in near-zero gradients shows); actor/pg_loss is a per-rank mean
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-5 if a["step"] == 1 else 1e-2)
+    shards = tmp_path / "two" / "checkpoints" / "step_2" / "critic_dcp"
+    assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    resumed = run(cluster, tmp_path, "two", "run.steps=3", "run.resume=true",
+                  "cluster.placement=rollout,reward,inference: 0; actor,critic: 1")
+    assert [r["step"] for r in resumed] == [1, 2, 3] and resumed[-1]["critic/samples"] == 32
+
+
 def test_critic_warmup_keeps_the_actor_still(cluster, tmp_path):
     """`critic.warmup_steps=2`: the first two steps train the critic only (the actor's samples are 0 and its
     weights stay, so the rollout samples from the start model); step 3 trains both. The pipelined plan: the critic
