@@ -522,11 +522,7 @@ class ReasoningConfig:
                               f"name=ppo) for the reasoning flow, got '{alg.advantage}'")
         if not (0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1):
             raise ConfigError(f"algorithm.gamma and lam must lie in [0, 1], got {alg.gamma} and {alg.lam}")
-        if alg.name == "ppo":
-            if self.cluster.placement == "auto":
-                raise ConfigError("cluster.placement=auto: the planner does not profile the critic yet; with "
-                                  "algorithm.name=ppo name a placement (the critic goes beside the actor unless "
-                                  "the placement names it)")
+        if alg.name == "ppo" and self.cluster.placement != "auto":
             self.cluster.placement = with_critic(self.cluster.placement)
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be >= 2 for grpo (advantages are relative within a group)")

@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 
 from m2flow.config import EmbodiedConfig, UserError
-from m2flow.planning.profile import profile_reasoning
+from m2flow.planning.profile import components_of, profile_reasoning
 from m2flow.planning.profile_embodied import profile_embodied
 from m2flow.runtime import Cluster
 from m2flow.scheduler.embodied import COMPONENTS as EMBODIED
@@ -22,7 +22,6 @@ from m2flow.scheduler.plan import ExecutionPlan, make_plan
 from m2flow.scheduler.profile import Profile
 from m2flow.scheduler.search import Candidate, SearchResult, search
 
-COMPONENTS = ["rollout", "reward", "inference", "actor"]
 TABLE_ROWS = 20  # candidates shown in plan_candidates.txt (plan_search.json lists all)
 
 
@@ -59,7 +58,7 @@ def flow_plans(profile: Profile, num_devices: int, group: int, top: int = 10, of
     """The plans the reasoning flow can run, fastest first: the search's candidates with micro-batches of whole
     prompt groups (`group` = rollout.n samples), placed one process per component; those that offload only with
     `offload` (`cluster.offload` true or auto: the flow then context-switches the components sharing a device)."""
-    result = search(profile, num_devices, top=1 << 30, components=COMPONENTS)
+    result = search(profile, num_devices, top=1 << 30, components=list(profile.stages))
     keep = [FlowCandidate(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)}) for c in result.candidates
             if (offload or not c.offload) and (c.micro_batch % group == 0 or c.micro_batch == result.batch)]
     collocated = next((c for c in keep if c.mode == "collocated"), None)
@@ -68,8 +67,8 @@ def flow_plans(profile: Profile, num_devices: int, group: int, top: int = 10, of
 
 def plan_of(candidate: Candidate, result: SearchResult) -> AutoPlan:
     """The ExecutionPlan that launches `candidate` (a FlowCandidate)."""
-    base = make_plan(candidate.spec, result.num_devices, COMPONENTS, result.batch, candidate.micro_batch,
-                     candidate.offload)
+    base = make_plan(candidate.spec, result.num_devices, list(result.profile.stages), result.batch,
+                     candidate.micro_batch, candidate.offload)
     return AutoPlan(base.placement, base.micro_batch, base.channel_maxsize, base.offload,
                     candidate.seconds, {label: round(s, 6) for label, s in candidate.prediction.parts})
 
@@ -80,7 +79,7 @@ def auto_plan(cfg, cluster: Cluster, run_dir: str | Path) -> AutoPlan:
     can run."""
     run_dir = Path(run_dir)
     batch = cfg.rollout.prompts_per_step * cfg.rollout.n
-    path, profile = _profile(run_dir, "reasoning", COMPONENTS,
+    path, profile = _profile(run_dir, "reasoning", list(components_of(cfg)),
                              lambda path: profile_reasoning(cfg, cluster, out_path=path, run_dir=run_dir))
     offload = cfg.cluster.offload is not False
     result = flow_plans(dataclasses.replace(profile, batch=batch), cluster.num_devices, cfg.rollout.n, top=1 << 30,

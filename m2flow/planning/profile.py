@@ -25,6 +25,7 @@ from m2flow.runtime import Channel, Cluster, concurrent, parse_placement, runnin
 from m2flow.scheduler.profile import ComponentInfo, Machine, Measurement, Profile, Transfer, Weights
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.common import END, drain
+from m2flow.workers.critic import CriticWorker
 from m2flow.workers.inference import InferenceWorker
 from m2flow.workers.reward import RewardWorker
 from m2flow.workers.rollout import RolloutWorker
@@ -32,7 +33,12 @@ from m2flow.workers.sync import sync_weights
 from m2flow.workloads.reasoning.tasks import build_datasets
 from m2flow.workloads.reasoning.warm_start import prepare_model
 
-COMPONENTS = ("rollout", "reward", "inference", "actor")
+COMPONENTS = ("rollout", "reward", "inference", "actor")  # algorithm.name=ppo: and the critic before the actor
+
+
+def components_of(cfg) -> tuple[str, ...]:
+    """The components the reasoning flow runs for `cfg` (the critic with `algorithm.name=ppo`), in data order."""
+    return (*COMPONENTS[:3], "critic", "actor") if cfg.algorithm.name == "ppo" else COMPONENTS
 BURST_SHARE = 0.5  # rollout "does not stream" when its first output came after this share of its work
 
 
@@ -140,6 +146,10 @@ class ActorProbe(_Probe, ActorWorker):
     pass
 
 
+class CriticProbe(_Probe, CriticWorker):
+    pass
+
+
 def default_batches(batch: int, group: int) -> list[int]:
     """Samples per profiled call: one prompt group, a quarter, half and all of the step's batch, in whole groups."""
     sizes = {max(group, batch * k // 4 // group * group) for k in (1, 2, 4)} | {group, batch}
@@ -167,6 +177,7 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
     if bad:
         raise ValueError(f"profile: batch sizes {bad} are not whole prompt groups of rollout.n={group}")
     devices = devices or tuple(d for d in (1, 2) if d <= cluster.num_devices)
+    names = components_of(cfg)
     train_set, _ = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)
     prompts = train_set.next_batch(max(batches) // group)
 
@@ -189,18 +200,21 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
         return r, (list(drain(out)) if method != "train" else [])
 
     def chain(groups, b: int, record: int | None) -> None:
-        """Run b samples through rollout -> reward -> inference -> actor, one stage at a time; record the rows."""
-        rollout, reward, inference, actor = groups
+        """Run b samples through rollout -> reward -> inference (-> critic) -> actor, one stage at a time; record the
+        rows."""
+        rollout, reward, inference, *critic, actor = groups
         got = {}
         got["rollout"], samples = call(rollout, "generate", None, prompts[: b // group], out, step[0])
         got["reward"], scored = call(reward, "score", samples, inp, out, step[0], 1)
         got["inference"], ready = call(inference, "logprobs", scored, inp, out, step[0], b, 1)
+        if critic:  # values and GAE, then its own update: all of it the critic's work on the batch
+            got["critic"], ready = call(critic[0], "values", ready, inp, out, step[0], 1, 1)
         got["actor"], _ = call(actor, "train", ready, inp, step[0], 1)
         info["items"] = dict(samples=samples, scored=scored, ready=ready)
         if record is None:
             return
         sizes = {"rollout": b, "reward": b, "inference": sum(len(g["responses"]) for g in scored),
-                 "actor": sum(len(x) for x in ready)}
+                 "critic": sum(len(x) for x in ready), "actor": sum(len(x) for x in ready)}
         for name, r in got.items():
             seconds = r["seconds"]
             if name == "actor":  # the optimizer step is once-per-step work (fixed_seconds), not per sample
@@ -221,7 +235,7 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
         for d in devices:
             groups = _launch(cluster, cfg, model_path, d, work_dir)
             with running(groups):  # released after it (the processes host the next probes or the run), killed on a raise
-                rollout, reward, inference, actor = groups
+                rollout, reward, inference, *_, actor = groups
                 receivers = [rollout, inference] if cfg.recompute_old_logprobs() else [rollout]
                 sync_weights(actor, receivers, check=False)
                 chain(groups, min(batches), None)  # warm-up: first calls allocate, import and connect
@@ -233,11 +247,11 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
                     sync_weights(actor, receivers, check=cfg.rollout.checks_sync(2))  # as in a run's steady state
                     info.setdefault("sync", []).append(time.perf_counter() - t)
                 if d == min(devices):
-                    info["state"] = {name: g.state_bytes().wait()[0] for name, g in zip(COMPONENTS, groups)}
+                    info["state"] = {name: g.state_bytes().wait()[0] for name, g in zip(names, groups)}
                     info["weights"] = actor.model_bytes().wait()[0]
                     info["machine"] = rollout.machine(len(cluster.nodes[0]["devices"])).wait()[0]
                     info["transfer"] = _transfer(reward, inp, info["items"])
-                    info["switch"] = {name: _switch(g, repeats) for name, g in zip(COMPONENTS, groups)
+                    info["switch"] = {name: _switch(g, repeats) for name, g in zip(names, groups)
                                       if name != "reward"}
     finally:
         inp.destroy()
@@ -255,16 +269,18 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
 
 
 def _launch(cluster: Cluster, cfg, model_path: str, d: int, work_dir: Path) -> list:
-    """The four probe groups, each one rank over devices 0..d-1, started in parallel."""
-    spec = "; ".join(f"{c}: 0" if d == 1 else f"{c}: 0-{d - 1}:0" for c in COMPONENTS)
-    placement = parse_placement(spec, cluster.num_devices, list(COMPONENTS))
+    """The probe groups, one per component, each one rank over devices 0..d-1, started in parallel."""
+    names = components_of(cfg)
+    spec = "; ".join(f"{c}: 0" if d == 1 else f"{c}: 0-{d - 1}:0" for c in names)
+    placement = parse_placement(spec, cluster.num_devices, list(names))
     for i in range(d):
         cluster.device_lock(i)  # create the locks before launching from several threads
     kinds = {"rollout": (RolloutProbe, (cfg, model_path)), "reward": (RewardProbe, (cfg,)),
-             "inference": (InferenceProbe, (cfg, model_path)), "actor": (ActorProbe, (cfg, model_path))}
-    with ThreadPoolExecutor(len(COMPONENTS)) as pool:
-        futures = [pool.submit(cls.launch, cluster, placement[c], *args, run_dir=str(work_dir))
-                   for c, (cls, args) in kinds.items()]
+             "inference": (InferenceProbe, (cfg, model_path)), "critic": (CriticProbe, (cfg, model_path)),
+             "actor": (ActorProbe, (cfg, model_path))}
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = [pool.submit(kinds[c][0].launch, cluster, placement[c], *kinds[c][1], run_dir=str(work_dir))
+                   for c in names]
         groups, errors = [], []
         for f in futures:
             try:
@@ -316,19 +332,22 @@ def _transfer(consumer, ch: Channel, items: dict) -> dict:
 def _table(cfg, cluster: Cluster, rows: dict, info: dict, batch: int) -> Profile:
     kind, memory = info["machine"]
     machine = Machine(kind, cluster.num_devices, int(memory))
-    measurements = median_rows(rows, COMPONENTS)
+    names = components_of(cfg)
+    measurements = median_rows(rows, names)
     # once per step in every plan of this flow: the weight sync (each component is its own process, so even
     # collocated peers receive weights through the object store) and one round trip of the step's calls
     per_step = statistics.median(info["sync"]) + statistics.median(info["rpc"])
     components = {}
-    for name in COMPONENTS:
+    for name in names:
         off, on = info["switch"].get(name, (0.0, 0.0))
         components[name] = ComponentInfo(
             state_bytes=info["state"][name],
             shard_state=True,  # one process spans the component's devices: its state is held once over them
             offload_seconds=off, onload_seconds=on,
-            # the actor streams with one mini-batch and one epoch (it accumulates gradients per micro-batch)
-            streams=not (name == "actor" and (cfg.actor.mini_batches > 1 or cfg.actor.epochs > 1)),
+            # the actor streams with one mini-batch and one epoch (it accumulates gradients per micro-batch); the
+            # critic never does (GAE and the whitening need the whole step)
+            streams=name != "critic" and not (name == "actor" and (cfg.actor.mini_batches > 1
+                                                                  or cfg.actor.epochs > 1)),
             # once per step: the optimizer step (timed on the fewest devices) + the per-step costs above
             fixed_seconds=statistics.median(info["optimizer"]) + per_step if name == "actor" else 0.0)
     if statistics.median(info["rollout_first_out"]) > BURST_SHARE:
@@ -336,7 +355,7 @@ def _table(cfg, cluster: Cluster, rows: dict, info: dict, batch: int) -> Profile
         # batch): nothing after it can overlap with it, so the rest is a tail on the whole batch
         components["reward"] = dataclasses.replace(components["reward"], streams=False)
     t = info["transfer"]
-    return Profile(flow="reasoning", stages=COMPONENTS, batch=batch, machine=machine, components=components,
+    return Profile(flow="reasoning", stages=names, batch=batch, machine=machine, components=components,
                    measurements=measurements,
                    transfer=Transfer(t["bytes_per_sample"], t["seconds_per_gb"], t["latency_seconds"]),
                    weights=Weights(info["weights"], "actor", ("rollout", "inference")))

@@ -88,11 +88,33 @@ def test_critic_warmup_keeps_the_actor_still(cluster, tmp_path):
 def test_ppo_options_are_checked():
     with pytest.raises(C.ConfigError, match="set algorithm.advantage=gae"):
         C.load(C.ReasoningConfig, None, ["algorithm.name=ppo"])
-    with pytest.raises(C.ConfigError, match="the planner does not profile the critic yet"):
-        C.load(C.ReasoningConfig, None, ["algorithm.name=ppo", "algorithm.advantage=gae", "cluster.placement=auto"])
     with pytest.raises(C.ConfigError, match=r"gae with name=ppo"):
         C.load(C.ReasoningConfig, None, ["algorithm.advantage=gae"])
     cfg = C.load(C.ReasoningConfig, None, [*PPO, "cluster.placement=rollout: 0; reward,inference,actor: 1"])
     assert cfg.cluster.placement == "rollout: 0; reward,inference,actor,critic: 1"
     named = C.load(C.ReasoningConfig, None, [*PPO, "cluster.placement=rollout,critic: 0; reward,inference,actor: 1"])
     assert named.cluster.placement == "rollout,critic: 0; reward,inference,actor: 1"
+
+
+@pytest.mark.timeout(900)
+def test_auto_mode_profiles_the_critic_and_places_it(cluster, tmp_path):
+    """`cluster.placement=auto` with PPO: the profile times the critic (a stage that waits for the whole batch), the
+    search places five components, and the chosen plan trains with the critic in it."""
+    from m2flow.api import train as api_train
+    from m2flow.scheduler.profile import Profile
+
+    cfg = C.load(C.ReasoningConfig, None, [
+        f"run.dir={tmp_path}", "run.name=auto", "run.progress=false", "run.trace=false", "run.steps=2",
+        "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6", "data.train_size=200",
+        "data.eval_size=20", "cluster.placement=auto", *PPO])
+    api_train(cfg, cluster=cluster)
+    run_dir = tmp_path / "auto"
+    profile = Profile.load(run_dir / "profile.json")
+    assert list(profile.stages) == ["rollout", "reward", "inference", "critic", "actor"]
+    assert not profile.components["critic"].streams and profile.components["critic"].state_bytes > 0
+    assert {m.devices for m in profile.measurements if m.component == "critic"} == {1, 2}
+    plan = yaml.safe_load((run_dir / "plan.yaml").read_text())
+    assert plan["chosen_by"] == "auto" and "critic" in plan["placement"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["critic/samples"] for r in rows] == [32, 32]
+    assert json.loads((run_dir / "plan_report.json").read_text())["steps"] == 2
