@@ -41,6 +41,8 @@ def test_every_preset_loads_and_builds_its_plan(preset):
     data = C.read_yaml(C.resolve_path(preset))
     cls, components = FLOWS[data.get("flow", "reasoning")]
     cfg = C.load(cls, data, [])
+    if cls is C.ReasoningConfig:
+        components = reasoning.components(cfg)  # with the critic under algorithm.name=ppo
     if cfg.cluster.placement != "auto":
         make_plan(cfg.cluster.placement, 2, components, 64, 32)
     if cls is C.ReasoningConfig:  # from random weights the reward stays 0: a warm start or a model of the user's
