@@ -270,7 +270,8 @@ def idle_metrics(spans: list[dict], start: float, end: float, devices) -> dict:
 
 def offload_metrics(spans: list[dict]) -> dict:
     """Context switching in a step: `offload/seconds`, the time its spans spent moving state off and onto devices,
-    and `offload/onloads`, how many turns brought state back."""
+    and `offload/onloads`, how many turns brought state back. (The flow adds `offload/state_bytes`, the switched
+    components' state, and `offload/resident_bytes`, how much of it is on the devices between steps.)"""
     moves = [s for s in spans if s.get("phase") in ("offload", "onload")]
     return {"offload/seconds": sum(s["end"] - s["start"] for s in moves),
             "offload/onloads": sum(s["phase"] == "onload" for s in moves)}

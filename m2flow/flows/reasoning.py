@@ -82,6 +82,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
     rollout, reward, inference, *critics, actor = groups
     critic = critics[0] if critics else None  # PPO: values the tokens between inference and actor
     switched = context_switched(cfg, plan, groups)
+    state_bytes = sum(max(g.state_bytes().wait()) for g in switched)  # at the start, all of it on the devices
     for g in switched:  # each takes its state onto the device for its turns only; off it from the start
         g.set_context_switch(True).wait()
         g.offload().wait()
@@ -202,8 +203,10 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
                     spans = gather_spans(groups, clear=True)
                     trace += spans if cfg.run.trace else []
                     last = merge_metrics(results) | drawn | idle_metrics(spans, w0, w2, devices)
-                    if switched:
-                        last.update(offload_metrics(spans))
+                    if switched:  # what context switching moved, and how much stays on the devices between steps
+                        resident = sum(max(h) for h in wait_all([g.state_bytes() for g in switched]))
+                        last.update(offload_metrics(spans), **{"offload/state_bytes": state_bytes,
+                                                               "offload/resident_bytes": resident})
                     counters += [{"device": d, "time": w0, "name": "idle_fraction",
                                   "value": last[f"time/idle/device{d}"] / (w2 - w0)} for d in devices]
                     last.update({"time/step": t2 - t0, "time/rollout": last.get("rollout/seconds", 0.0),

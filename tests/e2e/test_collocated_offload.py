@@ -60,6 +60,9 @@ def test_offload_between_turns_trains_bit_identically_with_one_components_state_
     assert yaml.safe_load((switched_dir / "plan.yaml").read_text())["offload"] is True
     assert yaml.safe_load((plain_dir / "plan.yaml").read_text())["offload"] is False
     assert all(r["offload/onloads"] >= 3 and r["offload/seconds"] > 0 for r in switched)  # rollout, inference, actor
+    # between steps none of the switched state stays on the devices: the four copies of the model (rollout, the
+    # inference stage's old and reference policies, actor: 2.2 MB at the start; Adam's moments come later) are on disk
+    assert all(r["offload/state_bytes"] > 2e6 and r["offload/resident_bytes"] == 0 for r in switched)
     assert not any("offload/onloads" in r for r in resident)
     lanes = turns(switched_dir / "trace.json")
     assert set(lanes) == {0, 1}
