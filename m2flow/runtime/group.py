@@ -235,17 +235,19 @@ def _register_hosted(uid: str, rank: int, worker: Worker | None) -> None:
         _HOSTED[(uid, rank)] = worker
 
 
-def _reset_process() -> None:
+def _reset_process() -> bool:
     """Undo what the workers of a released process may have left behind for the next ones: torch.distributed's
     process group, torch.compile's caches, the global RNG's state (a new random seed, as a new process gets), freed
-    memory."""
+    memory. Returns whether the process may host another group: not after it joined a torch.distributed group
+    (FSDP2's device-mesh state outlives `destroy_process_group`: a later group's ranks saw each other's shards)."""
     import ctypes
     import gc
     import sys
 
     import torch
 
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    joined = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if joined:
         torch.distributed.destroy_process_group()
     if "torch._dynamo" in sys.modules:
         torch._dynamo.reset()
@@ -255,6 +257,7 @@ def _reset_process() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand the freed heap back to the OS
     except (OSError, AttributeError):
         pass
+    return not joined
 
 
 def _role_title(workers: dict) -> str:
@@ -318,8 +321,8 @@ class _Host:
                 _register_hosted(uid, worker.rank, None)
                 worker.close()
             del worker
-            if not self.workers:
-                _reset_process()
+            if not self.workers and not _reset_process():
+                return -1  # not to be reused: the caller ends the process
             return len(self.workers)
 
         return _run(end)
@@ -726,6 +729,8 @@ def release_all(groups: Sequence[Group], timeout: float = 60.0) -> None:
             failed.append(g)
         elif out[1] == 0:
             g._cluster.keep_idle_process(keys[id(g)][rank], actor)
+        elif out[1] < 0:  # it joined a torch.distributed group: ended, not kept
+            ray.kill(actor, no_restart=True)
     for g in dict.fromkeys(failed):
         g.kill()
 
