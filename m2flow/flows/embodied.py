@@ -27,7 +27,7 @@ from m2flow.scheduler.plan import ExecutionPlan, make_plan
 from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
 from m2flow.workers.env import EnvWorker, make_env_group, video_recorder, wait_rollout
 from m2flow.workers.policy import PolicyWorker, make_policy
-from m2flow.workers.sync import sync_weights
+from m2flow.workers.sync import finish_sync, start_sync, sync_weights
 
 COMPONENTS = ["env", "rollout", "actor"]
 PLOTS = {
@@ -97,20 +97,26 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
                 for step in range(start, cfg.run.steps):
                     t0 = time.perf_counter()
                     trace = cfg.run.trace and (step < 2 or (cfg.run.trace_every > 0 and step % cfg.run.trace_every == 0))
-                    env_out, actor_out = wait_rollout([
+                    checked = cfg.rollout.checks_sync(step - start + 1)
+                    handles = [
                         env.call_per_rank("rollout", [(policy_of[r], trajectories, cfg.rollout.steps, step,
                                                        actor.world_size, trace) for r in range(env.world_size)]),
                         actor.train(trajectories, step, env.world_size),
-                    ], env, cfg.env.step_timeout_s, cfg.env.id)  # a hung env step stops the run
+                    ]
+                    # co-hosted: the sync is queued behind the update in their process (no round trip between)
+                    queued = start_sync(actor.on([0]), [rollout], checked) if local_sync else None
+                    # a hung env step stops the run
+                    env_out, actor_out = wait_rollout(handles, env, cfg.env.step_timeout_s, cfg.env.id)
                     t1 = time.perf_counter()
-                    checked = cfg.rollout.checks_sync(step - start + 1)
-                    sync_weights(actor.on([0]), [rollout], checked, local_sync)
+                    if queued is None:
+                        sync_weights(actor.on([0]), [rollout], checked)
+                    sync_seconds = finish_sync(queued, checked) if queued else time.perf_counter() - t1
                     t2 = time.perf_counter()
                     recent.extend(e["return"] for out in env_out for e in out["episodes"])
                     env_steps += sum(out["env_steps"] for out in env_out)
                     last = {**iteration_metrics(env_out, recent), **mean_over_ranks(actor_out), "env_steps": env_steps,
                             "throughput/env_steps_per_s": sum(o["env_steps"] for o in env_out) / (t2 - t0),
-                            "time/iteration": t2 - t0, "time/weight_sync": t2 - t1, "sync/checked": int(checked)}
+                            "time/iteration": t2 - t0, "time/weight_sync": sync_seconds, "sync/checked": int(checked)}
                     stop = (cfg.run.stop_return is not None and len(recent) == recent.maxlen
                             and last["rollout/return_window"] >= cfg.run.stop_return)
                     every = cfg.run.save_every and (step + 1) % cfg.run.save_every == 0

@@ -13,12 +13,12 @@ import warnings
 
 import numpy as np
 import torch
+from gymnasium import spaces
 from torch import nn
-from torch.distributions import Normal
 
 from m2flow.runtime import Worker
 from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
-from m2flow.workloads.embodied import ActorCritic, build_policy
+from m2flow.workloads.embodied import ActorCritic, build_policy, categorical_logprob, gaussian_logprob
 
 
 def make_policy(cfg, obs_space, action_space) -> ActorCritic:
@@ -46,17 +46,19 @@ def sample_actions(policy: ActorCritic, obs: torch.Tensor, noise_seed: int | Non
     if noise_seed is None:
         return policy.act(obs, deterministic=True)
     actor_feat, critic_feat = policy.features(obs)
-    dist = policy._dist(actor_feat)
+    out = policy.head(actor_feat)  # means or logits, in closed form below: a third of a distribution's ops
     gen = torch.Generator().manual_seed(noise_seed)
     n = obs.shape[0]
-    if isinstance(dist, Normal):
-        eps = torch.randn((total, *dist.mean.shape[1:]), generator=gen)[lo:lo + n]
-        action = dist.mean + dist.stddev * eps
-        logprob = policy._sum(dist.log_prob(action))
+    if isinstance(policy.action_space, spaces.Box):
+        log_std = policy.log_std_of(out)
+        eps = torch.randn((total, *out.shape[1:]), generator=gen)[lo:lo + n]
+        action = out + torch.exp(log_std) * eps
+        logprob = policy._sum(gaussian_logprob(action, out, log_std))
     else:
-        u = torch.rand((total, *dist.logits.shape[1:]), generator=gen)[lo:lo + n].clamp_(1e-12, 1 - 1e-7)
-        index = (dist.logits - torch.log(-torch.log(u))).argmax(-1)
-        logprob = policy._sum(dist.log_prob(index))
+        u = torch.rand((total, *out.shape[1:]), generator=gen)[lo:lo + n].clamp_(1e-12, 1 - 1e-7)
+        log_p = torch.log_softmax(out, -1)
+        index = (log_p - torch.log(-torch.log(u))).argmax(-1)
+        logprob = policy._sum(categorical_logprob(log_p, index))
         action = index + int(policy.action_space.start)
     return action, logprob, policy.critic_head(critic_feat).squeeze(-1)
 
