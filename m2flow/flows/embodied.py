@@ -78,7 +78,8 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
     groups = [env, rollout, actor]
     # env worker r asks policy worker r % R for its actions; every actor rank gets every trajectory
     policy_of = [rollout.on(r % rollout.world_size) for r in range(env.world_size)]
-    local_sync = actor_cohost and rollout.world_size == 1  # the one policy worker lives in the actor's process
+    # co-hosted rank by rank: policy rank r lives in actor rank r's process, and every actor rank holds the weights
+    local_sync = actor_cohost and rollout.world_size == actor.world_size
 
     start, env_steps, recent = 0, 0, deque(maxlen=cfg.run.stop_window)
     if cfg.run.resume and (found := run.latest_checkpoint()):
@@ -87,7 +88,8 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
         state = load_plain(ckpt / "driver.pt")
         env_steps, recent = state["env_steps"], deque(state["recent"], maxlen=cfg.run.stop_window)
         run.drop_metrics_after(start)
-    sync_weights(actor.on([0]), [rollout], cfg.rollout.checks_sync(0), local_sync)  # one rank's weights are all's
+    sync_weights(actor if local_sync else actor.on([0]), [rollout], cfg.rollout.checks_sync(0), local_sync,
+                 per_rank=True)  # one rank's weights are all's
 
     last, step, saved = {}, start, None
     try:
@@ -104,7 +106,7 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
                         actor.train(trajectories, step, env.world_size),
                     ]
                     # co-hosted: the sync is queued behind the update in their process (no round trip between)
-                    queued = start_sync(actor.on([0]), [rollout], checked) if local_sync else None
+                    queued = start_sync(actor, [rollout], checked, per_rank=True) if local_sync else None
                     # a hung env step stops the run
                     env_out, actor_out = wait_rollout(handles, env, cfg.env.step_timeout_s, cfg.env.id)
                     t1 = time.perf_counter()

@@ -81,8 +81,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
         groups = launch_all(cluster, specs, run_dir=str(run.path))
     rollout, reward, inference, *critics, actor = groups
     critic = critics[0] if critics else None  # PPO: values the tokens between inference and actor
-    switched = context_switched(cfg, plan, groups)
-    state_bytes = sum(max(g.state_bytes().wait()) for g in switched)  # at the start, all of it on the devices
+    switched, state_bytes = context_switched(cfg, plan, groups)
     for g in switched:  # each takes its state onto the device for its turns only; off it from the start
         g.set_context_switch(True).wait()
         g.offload().wait()
@@ -246,13 +245,14 @@ def components(cfg: ReasoningConfig) -> list[str]:
     return [*COMPONENTS[:3], "critic", "actor"] if cfg.algorithm.name == "ppo" else list(COMPONENTS)
 
 
-def context_switched(cfg: ReasoningConfig, plan: ExecutionPlan, groups: list) -> list:
-    """The groups that offload their state between turns (`cluster.offload`): those holding state (weights,
-    optimizer) on a device that another such group shares. true: all of them; auto: all of them where the state on
-    some device exceeds `cluster.device_memory_gb`, or where the plan offloads (an auto plan that needed it)."""
+def context_switched(cfg: ReasoningConfig, plan: ExecutionPlan, groups: list) -> tuple[list, int]:
+    """-> (the groups that offload their state between turns (`cluster.offload`), the bytes of their state). Those
+    are the groups holding state (weights, optimizer) on a device that another such group shares. true: all of
+    them; auto: all of them where the state on some device exceeds `cluster.device_memory_gb`, or where the plan
+    offloads (an auto plan that needed it). Called at the start, while all state is on the devices."""
     mode = cfg.cluster.offload
     if mode is False:
-        return []
+        return [], 0
     size = {g.component: max(g.state_bytes().wait()) for g in groups}
     held = [g for g in groups if size[g.component]]
     shared = [g for g in held if any(set(g.placement.devices) & set(o.placement.devices) for o in held if o is not g)]
@@ -261,8 +261,8 @@ def context_switched(cfg: ReasoningConfig, plan: ExecutionPlan, groups: list) ->
         devices = {d for g in held for d in g.placement.devices}
         over = limit and any(sum(size[g.component] for g in held if d in g.placement.devices) > limit for d in devices)
         if not (over or plan.offload):
-            return []
-    return shared
+            return [], 0
+    return shared, sum(size[g.component] for g in shared)
 
 
 def merge_metrics(results: list[list[dict]]) -> dict:

@@ -72,25 +72,31 @@ def test_cartpole_ppo_preset_reaches_475(cluster, tmp_path):
 
 
 def test_hybrid_pipelined_run_matches_lockstep_and_its_trace_shows_overlap(cluster, tmp_path):
-    """The same driver, by config alone: collocated lockstep vs hybrid (envs on device 0, policy on 1, 2 stages,
-    a 2-rank data-parallel actor) give the same episodes; the trace shows the simulator stepping one stage while the
-    policy infers for the other."""
+    """The same driver, by config alone: collocated lockstep, hybrid (envs on device 0, policy on 1, 2 stages,
+    a 2-rank data-parallel actor) and lockstep on both devices rank by rank (env r, policy r and actor rank r in one
+    process each) give the same episodes; the trace shows the simulator stepping one stage while the policy infers
+    for the other."""
     lockstep = train(cfg_for(tmp_path, "lockstep", cluster={"placement": "env,rollout,actor: 0"},
                              run={"trace": False, "steps": 3}), cluster)
     hybrid = train(cfg_for(tmp_path, "hybrid", cluster={"placement": "env: 0; rollout: 1; actor: 0-1"},
                            env={"pipeline_stages": 2}, run={"steps": 3}), cluster)
+    per_rank = train(cfg_for(tmp_path, "per_rank", cluster={"placement": "env,rollout,actor: 0-1"},
+                             run={"trace": False, "steps": 3}), cluster)
     assert hybrid["plan"]["mode"] == "hybrid" and hybrid["plan"]["placement"]["actor"] == [[0], [1]]
-    plans = [yaml.safe_load(open(f"{r['run_dir']}/plan.yaml")) for r in (lockstep, hybrid)]
-    # lockstep on one device: the policy worker and the actor live in the env worker's process
-    assert [p["rollout_in_env_process"] for p in plans] == [True, False]
-    assert [p["actor_in_env_process"] for p in plans] == [True, False]
+    plans = [yaml.safe_load(open(f"{r['run_dir']}/plan.yaml")) for r in (lockstep, hybrid, per_rank)]
+    # lockstep on one device: the policy worker and the actor live in the env worker's process (on two: rank r's)
+    assert [p["rollout_in_env_process"] for p in plans] == [True, False, True]
+    assert [p["actor_in_env_process"] for p in plans] == [True, False, True]
     # rollout.check_weight_sync=first: the start's and iteration 1's syncs are verified (else train() raised); the
-    # unverified sync after iteration 2 still delivers: iteration 3 agrees in both plans (in place / object store)
-    assert [r["sync/checked"] for r in rows(lockstep)] == [r["sync/checked"] for r in rows(hybrid)] == [1, 0, 0]
-    assert len(rows(lockstep)) == 3
-    for a, b in zip(rows(lockstep), rows(hybrid)):
-        assert a["rollout/episodes"] == b["rollout/episodes"] and a["rollout/return"] == b["rollout/return"]
-        assert a["actor/vf_loss"] == pytest.approx(b["actor/vf_loss"], rel=1e-4)
+    # unverified sync after iteration 2 still delivers: iteration 3 agrees in all plans (in place, each actor rank
+    # into its own process's policy / object store)
+    runs = [rows(r) for r in (lockstep, hybrid, per_rank)]
+    assert [[r["sync/checked"] for r in history] for history in runs] == [[1, 0, 0]] * 3
+    assert len(runs[0]) == 3
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert a["rollout/episodes"] == b["rollout/episodes"] and a["rollout/return"] == b["rollout/return"]
+            assert a["actor/vf_loss"] == pytest.approx(b["actor/vf_loss"], rel=1e-4)
 
     trace = json.load(open(f"{hybrid['run_dir']}/trace.json"))
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
