@@ -591,7 +591,7 @@ class Group:
             proc_env.update(env or {})
             actors.append(_reused_host(cluster, _process_key(devs), proc_env, cores, devs[0].kind == "cpu") or
                           _Host.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                                        max_restarts=0, name=None)
+                                        max_restarts=0, name=f"m2flow:{name}:{rank}:{uuid.uuid4().hex[:8]}")
                           .remote(proc_env, cores, devs[0].kind == "cpu"))
         return cls(worker_cls, placement, actors, {}, cluster=cluster)
 

@@ -58,11 +58,12 @@ def role_pid(role: str, timeout: float = 5.0) -> int | None:
     return None
 
 
-def kill_after_checkpoint(run_dir, component: str, step: int = 2, during: int | None = None,
+def kill_after_checkpoint(run_dir, component: str, step: int = 2, during: int | None = None, writing: str = "",
                           timeout: float = 120.0) -> dict:
     """Start a thread that SIGKILLs `component` rank 0 once the run's checkpoint of `step` is complete (the run is
     then in its next step), or with `during=N` once the checkpoint of step N has begun (its `step_N.tmp` folder is
-    there); returns what it did ({'pid': ...} or {'error': ...}) once the thread ends."""
+    there, and the file `writing` in it where given); returns what it did ({'pid': ...} or {'error': ...}) once the
+    thread ends."""
     done: dict = {}
 
     def wait_for(path, what) -> bool:
@@ -82,7 +83,8 @@ def kill_after_checkpoint(run_dir, component: str, step: int = 2, during: int | 
             return
         if not wait_for(run_dir / "checkpoints" / f"step_{step}" / "COMPLETE", f"checkpoint of step {step}"):
             return
-        if during and not wait_for(run_dir / "checkpoints" / f"step_{during}.tmp", f"checkpoint of step {during}"):
+        if during and not wait_for(run_dir / "checkpoints" / f"step_{during}.tmp" / writing,
+                                   f"checkpoint of step {during}"):
             return
         os.kill(pid, signal.SIGKILL)
         done["pid"] = pid
@@ -93,11 +95,11 @@ def kill_after_checkpoint(run_dir, component: str, step: int = 2, during: int | 
     return done
 
 
-def killed_run(train, cfg, cluster, run_dir, component: str, during: int | None = None) -> int:
+def killed_run(train, cfg, cluster, run_dir, component: str, during: int | None = None, writing: str = "") -> int:
     """Run `cfg` while `component` is killed after the checkpoint of step 2 (or while that of step `during` is
-    written): the run fails within seconds of the kill with a WorkerError naming the component, rank 0 and the pid.
-    Returns the newest complete checkpoint."""
-    kill = kill_after_checkpoint(run_dir, component, during=during)
+    written, once its file `writing` has appeared): the run fails within seconds of the kill with a WorkerError naming
+    the component, rank 0 and the pid. Returns the newest complete checkpoint."""
+    kill = kill_after_checkpoint(run_dir, component, during=during, writing=writing)
     with pytest.raises(WorkerError) as err:
         train(cfg, cluster)
     failed_at = time.monotonic()
@@ -169,6 +171,28 @@ def test_a_killed_embodied_component_stops_the_run_and_resume_continues_from_the
     assert [r["step"] for r in after] == list(range(1, STEPS + 1))
     assert after[:resumed_from] == before[:resumed_from]  # the rows up to the checkpoint are kept as they were
     assert after[resumed_from]["env_steps"] == after[resumed_from - 1]["env_steps"] + 4 * 64  # counted on from it
+
+
+@pytest.mark.timeout(300)
+def test_an_embodied_actor_killed_while_it_writes_a_checkpoint_leaves_the_previous_one_to_resume_from(cluster,
+                                                                                                       tmp_path):
+    """The embodied actor dies once its policy file of step 4's checkpoint has appeared, while it writes that and
+    its optimizer state (a 1024 x 1024 policy: ~50 MB to write, so the kill lands inside the write): that checkpoint
+    never becomes complete, the partial folder is removed, and resume continues from step 2's."""
+    big = ("policy.hidden=[1024,1024]", "actor.epochs=1")
+    run = tmp_path / "killed"
+    resumed_from = killed_run(embodied.train, embodied_cfg(tmp_path, "killed", *big), cluster, run, "actor", during=4,
+                              writing="policy.safetensors")
+    assert resumed_from == 2
+    assert not (run / "checkpoints" / "step_4.tmp").exists() and not (run / "checkpoints" / "step_4").exists()
+    before = rows(run)
+    embodied.train(embodied_cfg(tmp_path, "killed", *big, "run.resume=true"), cluster)
+    after = rows(run)
+    assert [r["step"] for r in after] == list(range(1, STEPS + 1)) and after[:2] == before[:2]
+    assert after[2]["env_steps"] == after[1]["env_steps"] + 4 * 64
+    assert (run / "checkpoints" / "step_4" / "COMPLETE").exists()
+    assert load_file(str(run / "checkpoints" / f"step_{STEPS}" / "policy.safetensors"))["actor.0.weight"].shape == (
+        1024, 4)
 
 
 def cli_run(tmp_path, *overrides) -> list[str]:

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import ray
 import torch
 
 from m2flow.runtime import (
@@ -179,6 +180,23 @@ def test_worker_processes_are_titled_by_role(cluster, calc):
         Keeper.launch(cluster, place["calc"], 5, host_with=asker)
         pid = asker.pid().wait()[0]
         assert title_of(pid, "m2flow:asker:0+calc:0") == "m2flow:asker:0+calc:0"
+    finally:
+        asker.kill()
+
+
+def test_ray_names_a_new_worker_process_by_its_role(cluster):
+    """`ray list actors` tells the processes apart too: m2flow:<component>:<rank>:<id> (the role a process was
+    started for: a process reused by a later group keeps its name, while its title follows the role)."""
+    idle, cluster._idle = cluster._idle, {}  # no idle process to reuse: both ranks start new ones
+    try:
+        asker = Asker.launch(cluster, parse_placement("asker: 0-1", cluster.num_devices, ["asker"])["asker"])
+    finally:
+        cluster._idle = idle
+    try:
+        asker.pid().wait()
+        by_id = {ray.get_actor(n)._actor_id: n for n in ray.util.list_named_actors() if n.startswith("m2flow:")}
+        names = [by_id[asker._actors[rank]._actor_id] for rank in (0, 1)]
+        assert [n.rsplit(":", 1)[0] for n in names] == ["m2flow:asker:0", "m2flow:asker:1"], names
     finally:
         asker.kill()
 
