@@ -25,6 +25,8 @@ class Generation:
     logprobs: list[float]
     finish_reason: str  # "stop" (a stop token was produced, and is included) or "length"
     meta: dict = field(default_factory=dict)
+    # with a ToolHook: 1 where the model wrote the token, 0 where a tool's answer was inserted (its logprob is 0 there)
+    loss_mask: list[int] | None = None
 
 
 @dataclass
@@ -43,17 +45,30 @@ class SamplingParams:
 GroupCallback = Callable[[int, list[Generation]], None]
 
 
+class ToolHook(Protocol):
+    """Multi-turn generation with tools. When a sequence's response ends with one of `triggers` (token sequences,
+    e.g. a closing tag `</calc>`), the engine calls the hook with (prompt index, sample index, the response so far)
+    and inserts the token ids it returns (a tool's answer) into that sequence, marked 0 in `loss_mask`, before the
+    model writes on; None inserts nothing. Every inserted token counts against `max_new_tokens`."""
+
+    triggers: Sequence[Sequence[int]]
+
+    def __call__(self, prompt_index: int, sample_index: int, response_ids: list[int]) -> list[int] | None: ...
+
+
 class GenerationEngine(Protocol):
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         on_group_done: GroupCallback | None = None,
+        tool_hook: ToolHook | None = None,
     ) -> list[list[Generation]]:
         """Sample `params.n` responses for every prompt; result[i] holds prompt i's group in sample order.
 
         `on_group_done(prompt_index, group)` is called as soon as all n samples of a prompt are finished,
-        before `generate` returns (the producer side of elastic pipelining).
+        before `generate` returns (the producer side of elastic pipelining). `tool_hook`: multi-turn generation
+        with tools (see ToolHook); engines without it raise.
         """
         ...
 

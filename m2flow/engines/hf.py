@@ -250,7 +250,10 @@ class HFEngine:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         on_group_done: GroupCallback | None = None,
+        tool_hook=None,
     ) -> list[list[Generation]]:
+        if tool_hook is not None:
+            raise NotImplementedError("HFEngine: multi-turn generation with tools needs rollout.engine=native")
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"HFEngine.generate: prompt {i} is empty")

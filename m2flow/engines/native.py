@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from m2flow.engines.base import Generation, GroupCallback, SamplingParams
+from m2flow.engines.base import Generation, GroupCallback, SamplingParams, ToolHook
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
@@ -142,12 +142,16 @@ class NativeEngine:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         on_group_done: GroupCallback | None = None,
+        tool_hook: ToolHook | None = None,
     ) -> list[list[Generation]]:
         """Sample `params.n` responses per prompt with continuous batching; see `GenerationEngine.generate`.
 
         Requests (prompt i, sample j) are queued prompt-major; each finished sequence's slot is refilled with the next
         request at once, and `on_group_done(i, group)` fires as soon as prompt i's n samples are all finished.
         Reproducible for a fixed `params.seed` and engine configuration (one torch.Generator drives every draw).
+
+        With `tool_hook`, a sequence whose response ends in a trigger gets the hook's tokens fed to it one per decode
+        step, in place of sampled ones (the other sequences decode on meanwhile), then samples again.
         """
         prompts = [list(map(int, p)) for p in prompts]
         results: list[list[Generation | None]] = [[None] * params.n for _ in prompts]
@@ -178,6 +182,15 @@ class NativeEngine:
         out_tok = torch.zeros(S, max_new, dtype=torch.long, device=dev)
         out_lp = torch.zeros(S, max_new, dtype=torch.float32, device=dev)
         slot_req: list[tuple[int, int] | None] = [None] * S  # (prompt_index, sample_index) per slot
+        state = (last_tok, lens, n_gen, out_tok, out_lp)
+        if tool_hook is not None:  # tokens to feed instead of sampling: force_buf[s, at:end]; where they went: 0
+            triggers = [list(map(int, t)) for t in tool_hook.triggers]
+            trigger_ends = torch.tensor(sorted({t[-1] for t in triggers}), dtype=torch.long, device=dev)
+            force_buf = torch.zeros(S, max_new, dtype=torch.long, device=dev)
+            force_at = torch.zeros(S, dtype=torch.long, device=dev)
+            force_end = torch.zeros(S, dtype=torch.long, device=dev)
+            out_mask = torch.ones(S, max_new, dtype=torch.int8, device=dev)
+            state += (force_buf, force_at, force_end, out_mask)
         free = list(range(S))
         pending = deque((i, j) for i in range(len(prompts)) for j in range(params.n))
         n_done = [0] * len(prompts)
@@ -185,13 +198,19 @@ class NativeEngine:
         def record(slots: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
             """Append one token per slot; finish slots that hit a stop token or max_new_tokens."""
             pos = n_gen[slots]
+            forced = None
+            if tool_hook is not None:
+                tokens, logprobs, forced = force_tokens(slots, pos, tokens, logprobs)
             out_tok[slots, pos] = tokens
             out_lp[slots, pos] = logprobs
             n_gen[slots] = pos + 1
             last_tok[slots] = tokens
             done = pos + 1 >= max_new
             if len(stop):
-                done |= torch.isin(tokens, stop)
+                hit = torch.isin(tokens, stop)
+                done |= hit if forced is None else hit & ~forced  # a tool's answer never ends a sequence
+            if tool_hook is not None:
+                call_tools(slots[~done & ~forced & torch.isin(tokens, trigger_ends)])
             if not bool(done.any()):
                 return
             done_slots = slots[done]
@@ -202,11 +221,39 @@ class NativeEngine:
                 slot_req[s] = None
                 free.append(s)
                 reason = "stop" if t[c - 1] in stop_set else "length"
-                results[i][j] = Generation(i, j, prompts[i], t[:c], lp[:c], reason)
+                mask = out_mask[s, :c].tolist() if tool_hook is not None else None
+                results[i][j] = Generation(i, j, prompts[i], t[:c], lp[:c], reason, loss_mask=mask)
                 n_done[i] += 1
                 if n_done[i] == params.n and on_group_done is not None:
                     with torch.inference_mode(False):
                         on_group_done(i, results[i])
+
+        def force_tokens(slots, pos, tokens, logprobs):
+            """Where a slot has a tool's answer to feed, its next token instead of the sampled one (logprob 0,
+            loss mask 0) -> (tokens, logprobs, which were forced)."""
+            forced = force_at[slots] < force_end[slots]
+            if bool(forced.any()):
+                fs = slots[forced]
+                tokens, logprobs = tokens.clone(), logprobs.clone()
+                tokens[forced] = force_buf[fs, force_at[fs]]
+                logprobs[forced] = 0.0
+                out_mask[fs, pos[forced]] = 0
+                force_at[fs] += 1
+            return tokens, logprobs, forced
+
+        def call_tools(candidates) -> None:
+            """Slots whose response now ends in a trigger: ask the hook, queue what it returns."""
+            for s in candidates.tolist():
+                c = int(n_gen[s])
+                resp = out_tok[s, :c].tolist()
+                if not any(len(t) <= c and resp[c - len(t):] == t for t in triggers):
+                    continue
+                i, j = slot_req[s]
+                ids = tool_hook(i, j, resp) or []
+                k = min(len(ids), max_new - c)  # the answer counts against max_new_tokens
+                if k:
+                    force_buf[s, :k] = torch.tensor(ids[:k], dtype=torch.long, device=dev)
+                    force_at[s], force_end[s] = 0, k
 
         while True:
             if pending and free:  # continuous batching: prefill waiting requests into free slots at once
@@ -219,13 +266,16 @@ class NativeEngine:
                     tokens, logprobs = sample_tokens(logits, params, gen)
                     lens[slots] = torch.tensor([len(prompts[slot_req[s][0]]) for s in slots.tolist()], device=dev)
                     n_gen[slots] = 0
+                    if tool_hook is not None:  # a new request in these slots: nothing to feed, every token its own
+                        force_at[slots], force_end[slots] = 0, 0
+                        out_mask[slots] = 1
                     record(slots, tokens, logprobs)
                 continue
             A = S - len(free)
             if A == 0:
                 break
             if free and min(free) < A:  # no requests left: move active slots into the holes so they are [0, A)
-                self._compact(slot_req, free, A, (last_tok, lens, n_gen, out_tok, out_lp))
+                self._compact(slot_req, free, A, state)
             logits = self._decode(w, last_tok[:A], lens[:A], int(lens[:A].max()) + 1)
             lens[:A] += 1
             tokens, logprobs = sample_tokens(logits, params, gen)

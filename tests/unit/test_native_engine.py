@@ -204,3 +204,67 @@ def test_rejects_too_long_requests():
     engine = NativeEngine(make_model("qwen2"), max_len=16)
     with pytest.raises(ValueError, match="max_len"):
         engine.generate(make_prompts((10,)), SamplingParams(max_new_tokens=8))
+
+
+class EchoTool:
+    """A ToolHook for tests: after each `trigger` token it inserts `answer` (up to `max_turns` times per sequence)
+    and records its calls."""
+
+    def __init__(self, trigger: int, answer: list[int], max_turns: int = 2):
+        self.triggers, self.answer, self.max_turns, self.calls = [[trigger]], answer, max_turns, []
+
+    def __call__(self, i, j, response):
+        self.calls.append((i, j, list(response)))
+        turns = sum(1 for t in response if t == self.triggers[0][0])
+        return list(self.answer) if turns <= self.max_turns else None
+
+
+def hf_greedy_with_tool(model, prompt, new, tool):
+    """The reference: HF greedy one token at a time; after a trigger token, the tool's answer is appended."""
+    response, mask, turns = [], [], 0
+    while len(response) < new:
+        with torch.no_grad():
+            token = int(model(torch.tensor([prompt + response])).logits[0, -1].argmax())
+        response.append(token)
+        mask.append(1)
+        if token == tool.triggers[0][0]:
+            turns += 1
+            if turns <= tool.max_turns:
+                answer = tool.answer[: new - len(response)]
+                response += answer
+                mask += [0] * len(answer)
+    return response, mask
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_multi_turn_greedy_with_a_tool_equals_a_step_by_step_reference(arch):
+    """A tool's answer is fed into the sequence after each trigger (loss mask 0, logprob 0) while the other
+    sequences decode on; the tokens equal HF greedy run step by step with the answer appended."""
+    model = make_model(arch)
+    prompts = make_prompts(MIXED)
+    plain = NativeEngine(model, max_slots=4).generate(prompts, SamplingParams(max_new_tokens=24, temperature=0))
+    trigger = max({t for g in plain for t in g[0].response_ids[:8]}, key=lambda t: sum(
+        t in g[0].response_ids[:8] for g in plain))  # a token most sequences write early
+    tool = EchoTool(trigger, [t for t in range(3, 9) if t != trigger][:5])  # no trigger inside the answer
+    got = NativeEngine(model, max_slots=4).generate(prompts, SamplingParams(max_new_tokens=24, temperature=0),
+                                                    tool_hook=tool)
+    called = 0
+    for p, group in zip(prompts, got):
+        want, mask = hf_greedy_with_tool(model, p, 24, tool)
+        g = group[0]
+        assert g.response_ids == want and g.loss_mask == mask
+        assert all(lp == 0.0 for lp, m in zip(g.logprobs, mask) if m == 0)
+        assert all(lp < 0.0 for lp, m in zip(g.logprobs, mask) if m == 1)
+        called += mask.count(0) > 0
+    assert called >= 3 and tool.calls  # the tool answered in several sequences
+
+
+def test_a_tool_answer_is_cut_at_the_token_budget_and_plain_generation_has_no_mask():
+    model = make_model("qwen2")
+    prompts = make_prompts((4,))
+    first = NativeEngine(model).generate(prompts, SamplingParams(max_new_tokens=6, temperature=0))[0][0]
+    assert first.loss_mask is None
+    tool = EchoTool(first.response_ids[0], list(range(10, 40)))
+    got = NativeEngine(model).generate(prompts, SamplingParams(max_new_tokens=6, temperature=0), tool_hook=tool)[0][0]
+    assert got.response_ids == [first.response_ids[0], *range(10, 15)] and got.loss_mask == [1, 0, 0, 0, 0, 0]
+    assert got.finish_reason == "length"
