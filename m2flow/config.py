@@ -469,6 +469,22 @@ class CriticConfig:
 
 
 @dataclass
+class AgentConfig:
+    tools: dict = opt({}, "multi-turn rollouts with tools: tag name -> calc | python | pkg.mod:fn, e.g. {calc: calc} "
+                          "(the model writes <calc>12*34</calc>, the answer comes back as <result>408</result>); "
+                          "empty: one completion per prompt")
+    max_turns: int = opt(2, "tool calls answered per response; later calls get no answer")
+    timeout_s: float = opt(5.0, "seconds per python or user tool call; past it the model gets an error string")
+    memory_mb: int = opt(256, "address space of a python tool call, in MB")
+
+    def validate(self, where: str) -> None:
+        if not isinstance(self.tools, dict):
+            raise ConfigError(f"{where}.tools must map tag names to tools, e.g. {{calc: calc}}, got {self.tools!r}")
+        if self.max_turns < 1 or self.timeout_s <= 0 or self.memory_mb < 16:
+            raise ConfigError(f"{where}: need max_turns >= 1, timeout_s > 0 and memory_mb >= 16")
+
+
+@dataclass
 class SFTConfig:
     steps: int = opt(0, "supervised warm-start steps on the task's reference answers before RL (0: none)")
     batch_size: int = opt(64, "SFT batch size")
@@ -507,6 +523,7 @@ class ReasoningConfig:
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "advantages and losses")
     actor: ActorConfig = section(ActorConfig, "policy training (epochs and mini-batches: the critic's too)")
     critic: CriticConfig = section(CriticConfig, "algorithm.name=ppo: the value model")
+    agent: AgentConfig = section(AgentConfig, "multi-turn rollouts with tool calls")
     sft: SFTConfig = section(SFTConfig, "supervised warm start")
 
     def validate(self, where: str) -> None:
@@ -545,6 +562,12 @@ class ReasoningConfig:
         if alg.refill_rounds and alg.max_staleness:
             raise ConfigError(f"algorithm.refill_rounds needs on-policy rollouts (max_staleness=0), got "
                               f"max_staleness={alg.max_staleness}: a step's refill rounds run before it trains")
+        if self.agent.tools and self.rollout.engine != "native":
+            raise ConfigError("agent.tools: multi-turn rollouts with tools need rollout.engine=native, "
+                              f"got '{self.rollout.engine}'")
+        if self.agent.tools and alg.name == "ppo":
+            raise ConfigError("agent.tools: tool calls are trained with GRPO-style advantages; the PPO critic does "
+                              "not mask tool answers yet: use algorithm.name=grpo")
         if alg.behaviour_weight_cap < 1.0:
             raise ConfigError(f"algorithm.behaviour_weight_cap must be >= 1, got {alg.behaviour_weight_cap}")
         if alg.max_staleness and alg.old_logprobs == "recompute":

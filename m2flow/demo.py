@@ -50,7 +50,7 @@ def describe_eval_data(data: C.DataConfig, seed: int) -> str:
 
 def evaluate_model(path: str, cfg: C.ReasoningConfig, k: int = 8, limit: int | None = None) -> dict:
     """Greedy pass@1 and sampled pass@k of a model directory on the held-out split of `cfg.data`."""
-    from m2flow.workers.rollout import build_engine
+    from m2flow.workers.rollout import agent_hook, build_engine
 
     path = model_dir(path)
     model, tok = load_model(path).eval(), load_tokenizer(path)
@@ -60,7 +60,8 @@ def evaluate_model(path: str, cfg: C.ReasoningConfig, k: int = 8, limit: int | N
                           cfg.data.max_prompt_len + cfg.rollout.max_new_tokens + 1)
     name = reward_name(cfg.reward.fn, cfg.data.task)
     return evaluate(engine, tok, items, name, k=k, max_new_tokens=cfg.rollout.max_new_tokens,
-                    temperature=cfg.rollout.temperature, seed=cfg.run.seed, timeout_s=reward_timeout(name, cfg.reward.timeout_s))
+                    temperature=cfg.rollout.temperature, seed=cfg.run.seed, timeout_s=reward_timeout(name, cfg.reward.timeout_s),
+                    tool_hook=agent_hook(cfg.agent, tok))
 
 
 def run_demo(overrides: list[str] | None = None, cluster=None) -> dict:

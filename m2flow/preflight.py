@@ -1,6 +1,6 @@
 """What can be checked about a run before Ray starts, so that a mistake costs a second and reads as one line: the
 placement against the devices the local cluster will have, the model directory, the data file, the reward function,
-the env id. Each problem raises `m2flow.config.UserError` naming the config field, what it holds and what was
+the agent's tools, the env id. Each problem raises `m2flow.config.UserError` naming the config field, what it holds and what was
 expected. It starts nothing and writes nothing; the flows check the same things again where they use them.
 """
 
@@ -24,6 +24,8 @@ def preflight(cfg) -> None:
     if cfg.data.task == "file":
         _data_file(cfg.data)
     _reward_fn(cfg.reward.fn, cfg.data.task)
+    if cfg.agent.tools:
+        _tools(cfg.agent)
 
 
 def local_devices(cpu_devices: int | None) -> int | None:
@@ -117,6 +119,15 @@ def _reward_fn(spec: str, task: str) -> None:
         load_reward_fn(reward_name(spec, task))  # `auto`: the task's own reward
     except (ValueError, ImportError, AttributeError, TypeError) as e:
         raise C.UserError(f"reward.fn: {e}") from None
+
+
+def _tools(agent) -> None:
+    from m2flow.workloads.reasoning.tools import Toolbox
+
+    try:
+        Toolbox(agent.tools)
+    except (ValueError, ImportError, AttributeError) as e:
+        raise C.UserError(f"agent.tools: {e}") from None
 
 
 def _env_id(env_id: str) -> None:

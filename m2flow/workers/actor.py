@@ -256,6 +256,9 @@ class ActorWorker(PublishesWeights, Worker):
         alg = self.cfg.algorithm
         mask = micro["response_mask"].float()
         extra = {}
+        if "loss_mask" in micro:  # multi-turn: only the tokens the model wrote train (not the tools' answers)
+            extra["tool_token_frac"] = 1.0 - micro["loss_mask"].sum() / mask.sum().clamp(min=1.0)
+            mask = micro["loss_mask"].float()
         if alg.overlong_filter and "truncated" in micro:  # DAPO: a response cut at the limit gets no gradient
             mask = overlong_filter(mask, micro["truncated"])
             extra["overlong_filtered"] = micro["truncated"].float().mean()

@@ -18,7 +18,8 @@ from m2flow.workers.common import drain, finish, route
 
 def groups_to_batch(groups: list[dict], pad_id: int) -> Batch:
     """Flatten prompt groups into one padded Batch of samples (see engines.train.collate for the layout), with each
-    sample's reward, advantage, behaviour logprobs and the weight version that generated it."""
+    sample's reward, advantage, behaviour logprobs and the weight version that generated it; for multi-turn groups
+    (`loss_masks`) a `loss_mask` [B, L]: the response mask with the tool answers' tokens 0."""
     pairs, rewards, advantages, rollout_lp, versions, cut = [], [], [], [], [], []
     for g in groups:
         for i, resp in enumerate(g["responses"]):
@@ -40,6 +41,11 @@ def groups_to_batch(groups: list[dict], pad_id: int) -> Batch:
             for v in [*values[: len(resp)], *[0.0] * (len(resp) - len(values))]]
     lp[batch["response_mask"].bool()] = torch.tensor(flat, dtype=torch.float32)
     batch["rollout_logprobs"] = lp
+    if any("loss_masks" in g for g in groups):  # multi-turn: 0 on the tokens a tool wrote (no gradient, no KL)
+        loss = batch["response_mask"].clone()
+        loss[loss.bool()] = torch.tensor([float(m) for g in groups for i, resp in enumerate(g["responses"])
+                                          for m in (g["loss_masks"][i] if "loss_masks" in g else [1] * len(resp))])
+        batch["loss_mask"] = loss
     return batch
 
 

@@ -15,6 +15,7 @@ from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
 from m2flow.workers.common import finish
 from m2flow.workloads.reasoning.rewards import completion_text
 from m2flow.workloads.reasoning.tasks import reward_name, reward_timeout
+from m2flow.workloads.reasoning.tools import AgentHook, Toolbox, final_answer
 
 
 def build_engine(kind: str, model, tokenizer, max_slots: int, max_len: int):
@@ -26,6 +27,16 @@ def build_engine(kind: str, model, tokenizer, max_slots: int, max_len: int):
     return HFEngine(model, tokenizer)
 
 
+def agent_hook(agent, tokenizer) -> AgentHook | None:
+    """The engine's tool hook for `cfg.agent` (None without tools): calls decoded and answered with the policy's
+    tokenizer."""
+    if not agent.tools:
+        return None
+    return AgentHook(Toolbox(agent.tools, agent.timeout_s, agent.memory_mb),
+                     lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+                     lambda ids: tokenizer.decode(ids, skip_special_tokens=False), agent.max_turns)
+
+
 class RolloutWorker(Worker):
     def __init__(self, cfg, model_path: str):
         self.cfg = cfg
@@ -35,6 +46,7 @@ class RolloutWorker(Worker):
         self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, cfg.rollout.max_slots, max_len)
         self.version = 0
         self.register_offloadable("model", self.model)
+        self.agent = agent_hook(cfg.agent, self.tokenizer)  # multi-turn: the engine feeds back tool answers
 
     def generate(self, prompts: list[dict], out, step: int, consumers: int = 1, granularity: int = 1,
                  draw: int = 0) -> dict:
@@ -59,23 +71,32 @@ class RolloutWorker(Worker):
             nonlocal tokens
             p = prompts[i]
             tokens += sum(len(g.response_ids) for g in group)
+            texts = [completion_text(self.tokenizer, g.response_ids, params.stop_token_ids) for g in group]
             ready.append({
                 "index": p["index"], "prompt": p.get("prompt", ""), "prompt_ids": list(p["prompt_ids"]),
                 "answer": p["answer"], "columns": p.get("columns", {}),
                 "responses": [g.response_ids for g in group], "logprobs": [g.logprobs for g in group],
-                "texts": [completion_text(self.tokenizer, g.response_ids, params.stop_token_ids) for g in group],
+                # multi-turn: the reward scores the answer after the last tool result; the whole text is kept
+                "texts": [final_answer(t) for t in texts] if self.agent else texts,
                 "finish": [g.finish_reason for g in group], "version": self.version,
+                **({"transcripts": texts, "loss_masks": [g.loss_mask for g in group]} if self.agent else {}),
             })
             if sum(len(g["responses"]) for g in ready) >= granularity:
                 flush()
 
         with self.device_phase("generate", step):
             start = time.perf_counter()
-            self.engine.generate([p["prompt_ids"] for p in prompts], params, on_group_done=emit)
+            self.engine.generate([p["prompt_ids"] for p in prompts], params, on_group_done=emit, tool_hook=self.agent)
             seconds = time.perf_counter() - start
             flush()
         finish(out, consumers)
-        return {"rollout/tokens": tokens, "rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
+        metrics = {"rollout/tokens": tokens, "rollout/seconds": seconds,
+                   "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
+        if self.agent:  # per response: tool calls written, and how each call went
+            counts, responses = self.agent.take_counts(), len(prompts) * r.n
+            metrics.update({f"agent/{k}": counts.get(k, 0) / responses for k in
+                            ("calls", "ok", "error", "timeout", "unknown", "over_turns")})
+        return metrics
 
     def offload(self) -> None:
         """The model off the device (between context-switched turns), and the engine's KV cache freed with it."""
@@ -101,4 +122,4 @@ class RolloutWorker(Worker):
         with self.device_phase("evaluate", step):
             return evaluate(self.engine, self.tokenizer, problems, name, k=k, max_new_tokens=self.cfg.rollout.max_new_tokens,
                             temperature=self.cfg.rollout.temperature, seed=self.cfg.run.seed,
-                            timeout_s=reward_timeout(name, self.cfg.reward.timeout_s))
+                            timeout_s=reward_timeout(name, self.cfg.reward.timeout_s), tool_hook=self.agent)

@@ -67,6 +67,10 @@ CASES = [
                                           "cluster.placement=rollout,reward,inference,actor: 0-1", *TINY],
      "error: algorithm.refill_rounds: one reward rank counts the step's groups, but the placement gives the reward "
      "2 ranks"),
+    ("tool that cannot be imported", ["train", "grpo_arithmetic", "agent.tools={calc: nomod_xyz:fn}", *TINY],
+     "error: agent.tools: tool 'nomod_xyz:fn': cannot import module 'nomod_xyz'"),
+    ("tools with the HF engine", ["train", "grpo_arithmetic", "agent.tools={calc: calc}", "rollout.engine=hf"],
+     "config error: agent.tools: multi-turn rollouts with tools need rollout.engine=native, got 'hf'"),
     ("model directory missing", ["train", "grpo_arithmetic", "model.path={tmp}/nope", *TINY],
      "error: model.path: no directory at '{tmp}/nope'"),
     ("model directory without config.json", ["train", "grpo_arithmetic", "model.path={tmp}/empty", *TINY],

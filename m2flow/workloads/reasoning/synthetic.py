@@ -54,7 +54,7 @@ def _sample_unique(n: int, seed: int, split: str, holdout: float, make, task: st
 def arithmetic(
     n: int, seed: int = 0, digits: int = 2, ops: str = "+", split: str = "train", holdout: float = 0.1
 ) -> list[dict]:
-    """n distinct problems like {"prompt": "37+45=", "answer": "82", "solution": "82"}.
+    """n distinct problems like {"prompt": "37+45=", "answer": "82", "solution": "82", "expression": "37+45"}.
 
     Operands have exactly `digits` digits (0-9 when digits == 1); `ops` is any of "+-*". For "-" the larger
     operand comes first, so answers are never negative.
@@ -72,7 +72,7 @@ def arithmetic(
             a, b = b, a
         prompt = f"{a}{op}{b}="
         answer = str(_OPS[op](a, b))
-        return prompt, {"prompt": prompt, "answer": answer, "solution": answer}
+        return prompt, {"prompt": prompt, "answer": answer, "solution": answer, "expression": f"{a}{op}{b}"}
 
     return _sample_unique(n, seed, split, holdout, make, "arithmetic")
 

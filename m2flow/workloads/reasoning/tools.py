@@ -23,8 +23,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["ToolCall", "ToolResult", "Toolbox", "calc", "find_call", "format_result", "load_tool", "run_python",
-           "run_user_tool"]
+__all__ = ["AgentHook", "ToolCall", "ToolResult", "Toolbox", "calc", "final_answer", "find_call", "format_result",
+           "load_tool", "run_python", "run_user_tool", "tool_trace"]
 
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 MAX_RESULT_CHARS = 200  # a tool's answer is cut to this many characters (the model's context is short)
@@ -241,3 +241,51 @@ class Toolbox:
         if not isinstance(out, str):
             return ToolResult(f"error: the tool returned a {type(out).__name__}, not text", "error")
         return ToolResult(out, "ok")
+
+
+def final_answer(text: str) -> str:
+    """What a multi-turn response answers: the text after its last tool result (all of it when it has none); the
+    reward scores this."""
+    cut = text.rfind(RESULT_CLOSE)
+    return text if cut < 0 else text[cut + len(RESULT_CLOSE):]
+
+
+def tool_trace(tool: str, call: str, answer: str) -> str:
+    """A reference response that uses a tool once, for a supervised warm start: `<calc>37+45</calc><result>82</result>82`."""
+    return f"<{tool}>{call}</{tool}>{RESULT_OPEN}{answer}{RESULT_CLOSE}{answer}"
+
+
+class AgentHook:
+    """The engine's ToolHook for a Toolbox: `encode(text) -> ids`, `decode(ids) -> text` (the policy's tokenizer).
+    It answers at most `max_turns` calls per response (a later call gets nothing back and the model writes on), and
+    counts what happened: calls, ok, error, timeout, unknown, over_turns."""
+
+    def __init__(self, toolbox: Toolbox, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                 max_turns: int):
+        self.toolbox, self.encode, self.decode, self.max_turns = toolbox, encode, decode, max_turns
+        self.triggers = [encode(f"</{name}>") for name in toolbox.names]
+        self.counts: dict[str, int] = {}
+        self.turns: dict[tuple[int, int], int] = {}  # calls answered per (prompt, sample) of this generate call
+
+    def __call__(self, prompt_index: int, sample_index: int, response_ids: list[int]) -> list[int] | None:
+        text = self.decode(response_ids)
+        call = find_call(text, self.toolbox.names)
+        if call is None:
+            return None
+        self._count("calls")
+        key = (prompt_index, sample_index)
+        if self.turns.get(key, 0) >= self.max_turns:
+            self._count("over_turns")
+            return None
+        self.turns[key] = self.turns.get(key, 0) + 1
+        result = self.toolbox.run(call)
+        self._count(result.status)
+        return self.encode(format_result(result))
+
+    def _count(self, key: str) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def take_counts(self) -> dict[str, int]:
+        """The counts since the last take (one generate call's), reset with the turns."""
+        counts, self.counts, self.turns = self.counts, {}, {}
+        return counts

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from m2flow.engines.hf import load_tokenizer
+from m2flow.workloads.reasoning.tools import tool_trace
 
 def prepare_model(cfg, run_path: Path) -> str:
     """The model directory RL starts from: `model.path`, or a tiny model built into the run directory;
@@ -36,10 +37,20 @@ def sft_model(model_path: str, out: str, cfg, progress: bool = True) -> list[flo
     torch.manual_seed(cfg.run.seed)
     model, tok = load_model(model_path), load_tokenizer(model_path)
     records = task_records(cfg.data, cfg.run.seed, "train")
-    pairs = [(r["prompt"], str(r.get("solution", r["answer"]))) for r in records]
+    pairs = [(r["prompt"], reference(r, cfg.agent.tools)) for r in records]
     losses = sft(model, tok, pairs, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
                  seed=cfg.run.seed, progress=progress)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return losses
 
+
+def reference(record: dict, tools: dict) -> str:
+    """The response SFT teaches for a record: its solution; with a calculator among the agent's tools and a record
+    that has an `expression` (arithmetic), a tool-use trace that asks the calculator, reads its result and answers
+    (`<calc>37+45</calc><result>82</result>82`), so that RL starts from a model that knows the format."""
+    calc = next((name for name, spec in tools.items() if spec == "calc"), None)
+    answer = str(record.get("solution", record["answer"]))
+    if calc is None or "expression" not in record:
+        return answer
+    return tool_trace(calc, record["expression"], str(record["answer"]))
