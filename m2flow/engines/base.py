@@ -49,11 +49,13 @@ class ToolHook(Protocol):
     """Multi-turn generation with tools. When a sequence's response ends with one of `triggers` (token sequences,
     e.g. a closing tag `</calc>`), the engine calls the hook with (prompt index, sample index, the response so far)
     and inserts the token ids it returns (a tool's answer) into that sequence, marked 0 in `loss_mask`, before the
-    model writes on; None inserts nothing. Every inserted token counts against `max_new_tokens`."""
+    model writes on; None inserts nothing. Every inserted token counts against `max_new_tokens`. It may also return
+    an answer still to come (an object with `done()` and `result()`, e.g. a concurrent.futures.Future): the sequence
+    waits for it while the others generate on."""
 
     triggers: Sequence[Sequence[int]]
 
-    def __call__(self, prompt_index: int, sample_index: int, response_ids: list[int]) -> list[int] | None: ...
+    def __call__(self, prompt_index: int, sample_index: int, response_ids: list[int]): ...
 
 
 class GenerationEngine(Protocol):

@@ -8,6 +8,7 @@ sliding-window/dynamic-RoPE/QK-norm variants, and knows nothing of workers or ch
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from typing import Sequence
 
@@ -151,7 +152,9 @@ class NativeEngine:
         Reproducible for a fixed `params.seed` and engine configuration (one torch.Generator drives every draw).
 
         With `tool_hook`, a sequence whose response ends in a trigger gets the hook's tokens fed to it one per decode
-        step, in place of sampled ones (the other sequences decode on meanwhile), then samples again.
+        step, in place of sampled ones (the other sequences decode on meanwhile), then samples again. A hook may
+        return an answer to come (an object with `done()` and `result()`, e.g. a concurrent.futures.Future): that
+        sequence then waits, feeding nothing new, while the others decode on.
         """
         prompts = [list(map(int, p)) for p in prompts]
         results: list[list[Generation | None]] = [[None] * params.n for _ in prompts]
@@ -190,17 +193,25 @@ class NativeEngine:
             force_at = torch.zeros(S, dtype=torch.long, device=dev)
             force_end = torch.zeros(S, dtype=torch.long, device=dev)
             out_mask = torch.ones(S, max_new, dtype=torch.int8, device=dev)
-            state += (force_buf, force_at, force_end, out_mask)
+            # a request whose tool answer is not in yet: its slot feeds a dummy token each step without advancing
+            hold = torch.zeros(S, dtype=torch.long, device=dev)
+            waiting: dict[tuple[int, int], object] = {}  # request -> the hook's pending answer (done(), result())
+            state += (force_buf, force_at, force_end, out_mask, hold)
         free = list(range(S))
         pending = deque((i, j) for i in range(len(prompts)) for j in range(params.n))
         n_done = [0] * len(prompts)
 
         def record(slots: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
             """Append one token per slot; finish slots that hit a stop token or max_new_tokens."""
-            pos = n_gen[slots]
             forced = None
             if tool_hook is not None:
+                if waiting:  # answers come in; the slots still waiting record nothing this step
+                    keep = take_answers(slots)
+                    slots, tokens, logprobs = slots[keep], tokens[keep], logprobs[keep]
+                pos = n_gen[slots]
                 tokens, logprobs, forced = force_tokens(slots, pos, tokens, logprobs)
+            else:
+                pos = n_gen[slots]
             out_tok[slots, pos] = tokens
             out_lp[slots, pos] = logprobs
             n_gen[slots] = pos + 1
@@ -242,18 +253,40 @@ class NativeEngine:
             return tokens, logprobs, forced
 
         def call_tools(candidates) -> None:
-            """Slots whose response now ends in a trigger: ask the hook, queue what it returns."""
+            """Slots whose response now ends in a trigger: ask the hook; queue what it returns, or wait for it."""
             for s in candidates.tolist():
                 c = int(n_gen[s])
                 resp = out_tok[s, :c].tolist()
                 if not any(len(t) <= c and resp[c - len(t):] == t for t in triggers):
                     continue
-                i, j = slot_req[s]
-                ids = tool_hook(i, j, resp) or []
-                k = min(len(ids), max_new - c)  # the answer counts against max_new_tokens
-                if k:
-                    force_buf[s, :k] = torch.tensor(ids[:k], dtype=torch.long, device=dev)
-                    force_at[s], force_end[s] = 0, k
+                answer = tool_hook(*slot_req[s], resp)
+                if hasattr(answer, "done"):  # an answer to come: the slot holds once the trigger is cached
+                    waiting[slot_req[s]] = answer
+                else:
+                    queue_answer(s, answer)
+
+        def queue_answer(s: int, ids) -> None:
+            c = int(n_gen[s])
+            k = min(len(ids or ()), max_new - c)  # the answer counts against max_new_tokens
+            if k:
+                force_buf[s, :k] = torch.tensor(ids[:k], dtype=torch.long, device=dev)
+                force_at[s], force_end[s] = 0, k
+
+        def take_answers(slots) -> torch.Tensor:
+            """Queue the answers that are in; -> which of `slots` record this step (not those still waiting)."""
+            keep = torch.ones(len(slots), dtype=torch.bool, device=dev)
+            for pos, s in enumerate(slots.tolist()):
+                answer = waiting.get(slot_req[s])
+                if answer is None:
+                    continue
+                if answer.done():
+                    del waiting[slot_req[s]]
+                    hold[s] = 0
+                    queue_answer(s, answer.result())
+                else:
+                    hold[s] = 1  # from the next step on it feeds a dummy at its length, without advancing
+                    keep[pos] = False
+            return keep
 
         while True:
             if pending and free:  # continuous batching: prefill waiting requests into free slots at once
@@ -267,7 +300,7 @@ class NativeEngine:
                     lens[slots] = torch.tensor([len(prompts[slot_req[s][0]]) for s in slots.tolist()], device=dev)
                     n_gen[slots] = 0
                     if tool_hook is not None:  # a new request in these slots: nothing to feed, every token its own
-                        force_at[slots], force_end[slots] = 0, 0
+                        force_at[slots], force_end[slots], hold[slots] = 0, 0, 0
                         out_mask[slots] = 1
                     record(slots, tokens, logprobs)
                 continue
@@ -276,8 +309,10 @@ class NativeEngine:
                 break
             if free and min(free) < A:  # no requests left: move active slots into the holes so they are [0, A)
                 self._compact(slot_req, free, A, state)
+            if tool_hook is not None and waiting and bool(hold[:A].all()):  # every sequence waits for a tool
+                time.sleep(0.0005)
             logits = self._decode(w, last_tok[:A], lens[:A], int(lens[:A].max()) + 1)
-            lens[:A] += 1
+            lens[:A] += 1 if tool_hook is None else 1 - hold[:A]
             tokens, logprobs = sample_tokens(logits, params, gen)
             record(torch.arange(A, device=dev), tokens, logprobs)
         return results

@@ -98,6 +98,10 @@ class RolloutWorker(Worker):
                             ("calls", "ok", "error", "timeout", "unknown", "over_turns")})
         return metrics
 
+    def close(self) -> None:
+        if self.agent is not None:  # its tool threads
+            self.agent.close()
+
     def offload(self) -> None:
         """The model off the device (between context-switched turns), and the engine's KV cache freed with it."""
         super().offload()

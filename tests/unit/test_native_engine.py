@@ -1,5 +1,8 @@
 """NativeEngine vs HF: greedy token identity, logprobs vs the training forward, sampling, stops, continuous batching."""
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import transformers
@@ -268,3 +271,38 @@ def test_a_tool_answer_is_cut_at_the_token_budget_and_plain_generation_has_no_ma
     got = NativeEngine(model).generate(prompts, SamplingParams(max_new_tokens=6, temperature=0), tool_hook=tool)[0][0]
     assert got.response_ids == [first.response_ids[0], *range(10, 15)] and got.loss_mask == [1, 0, 0, 0, 0, 0]
     assert got.finish_reason == "length"
+
+
+class SlowEcho(EchoTool):
+    """EchoTool whose answers come `delay` seconds later, from threads (as a tool in its own process would)."""
+
+    def __init__(self, trigger, answer, delay: float):
+        super().__init__(trigger, answer)
+        self.delay, self.pool = delay, ThreadPoolExecutor(max_workers=16)
+
+    def __call__(self, i, j, response):
+        answer = super().__call__(i, j, response)
+        return self.pool.submit(lambda: (time.sleep(self.delay), answer)[1])
+
+
+def test_answers_that_come_later_give_the_same_sequences_while_the_others_decode_on():
+    """A hook that returns futures: each sequence waits for its answer (feeding nothing new) while the others
+    decode; the tokens, masks and logprobs equal those of answers given at once, and the waits overlap."""
+    model = make_model("qwen2")
+    prompts = make_prompts(MIXED)
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    plain = NativeEngine(model, max_slots=4).generate(prompts, params)
+    trigger = plain[0][0].response_ids[1]
+    answer = [t for t in range(3, 9) if t != trigger][:4]
+    now = NativeEngine(model, max_slots=4).generate(prompts, params, tool_hook=EchoTool(trigger, answer))
+    slow = SlowEcho(trigger, answer, delay=0.2)
+    start = time.monotonic()
+    later = NativeEngine(model, max_slots=4).generate(prompts, params, tool_hook=slow)
+    seconds = time.monotonic() - start
+    answered = sum(g[0].loss_mask.count(0) > 0 for g in later)
+    assert answered >= 2
+    for a, b in zip(now, later):
+        assert a[0].response_ids == b[0].response_ids and a[0].loss_mask == b[0].loss_mask
+        assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-5)
+    calls = len(slow.calls)
+    assert seconds < 0.7 * calls * 0.2, (seconds, calls)  # not one wait after another

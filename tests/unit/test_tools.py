@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from m2flow.workloads.reasoning.tools import (MAX_RESULT_CHARS, ToolCall, ToolResult, Toolbox, calc, find_call,
-                                              format_result, run_python)
+from m2flow.workloads.reasoning.tools import (MAX_RESULT_CHARS, AgentHook, ToolCall, ToolResult, Toolbox, calc,
+                                              find_call, format_result, run_python)
 
 
 def test_find_call_takes_the_complete_call_that_ends_the_text():
@@ -104,3 +104,18 @@ def test_results_go_back_in_result_tags_cut_to_length():
 def test_a_bad_tool_spec_fails_at_the_start_naming_it(tools, message):
     with pytest.raises((ValueError, ImportError, AttributeError), match=message):
         Toolbox(tools)
+
+
+def test_agent_hook_answers_calc_at_once_and_slow_tools_later_up_to_max_turns():
+    encode, decode = (lambda text: [ord(c) for c in text]), (lambda ids: "".join(map(chr, ids)))
+    hook = AgentHook(Toolbox({"calc": "calc", "py": "python"}), encode, decode, max_turns=2)
+    assert hook.triggers == [encode("</calc>"), encode("</py>")]
+    assert hook(0, 0, encode("2+2=<calc>2+2</calc>")) == encode("<result>4</result>")  # in this process, at once
+    later = hook(0, 0, encode("<py>print(6*7)</py>"))  # its own process: an answer to come
+    assert hasattr(later, "done") and later.result(timeout=30) == encode("<result>42</result>")
+    assert hook(0, 0, encode("<calc>1+1</calc>")) is None  # a third call of one response: over max_turns
+    assert hook(0, 1, encode("no call here")) is None and hook(0, 1, encode("<calc>1/0</calc>")) == encode(
+        "<result>error: division by zero</result>")
+    assert hook.take_counts() == {"calls": 4, "ok": 2, "over_turns": 1, "error": 1}
+    assert hook.take_counts() == {}
+    hook.close()

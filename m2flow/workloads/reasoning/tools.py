@@ -20,6 +20,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -258,14 +260,18 @@ def tool_trace(tool: str, call: str, answer: str) -> str:
 class AgentHook:
     """The engine's ToolHook for a Toolbox: `encode(text) -> ids`, `decode(ids) -> text` (the policy's tokenizer).
     It answers at most `max_turns` calls per response (a later call gets nothing back and the model writes on), and
-    counts what happened: calls, ok, error, timeout, unknown, over_turns."""
+    counts what happened: calls, ok, error, timeout, unknown, over_turns. Calculator calls are answered at once;
+    the others (a process each) run on `workers` threads, and the engine lets the other sequences decode meanwhile."""
 
     def __init__(self, toolbox: Toolbox, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
-                 max_turns: int):
+                 max_turns: int, workers: int = 8):
         self.toolbox, self.encode, self.decode, self.max_turns = toolbox, encode, decode, max_turns
         self.triggers = [encode(f"</{name}>") for name in toolbox.names]
         self.counts: dict[str, int] = {}
         self.turns: dict[tuple[int, int], int] = {}  # calls answered per (prompt, sample) of this generate call
+        self.inline = {name for name, fn in toolbox.fns.items() if fn in Toolbox.BUILT_IN.values()}
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="m2flow-tool")
+        self.lock = threading.Lock()
 
     def __call__(self, prompt_index: int, sample_index: int, response_ids: list[int]) -> list[int] | None:
         text = self.decode(response_ids)
@@ -278,14 +284,24 @@ class AgentHook:
             self._count("over_turns")
             return None
         self.turns[key] = self.turns.get(key, 0) + 1
+        if call.tool in self.inline:
+            return self._answer(call)
+        return self.pool.submit(self._answer, call)
+
+    def _answer(self, call: ToolCall) -> list[int]:
         result = self.toolbox.run(call)
         self._count(result.status)
         return self.encode(format_result(result))
 
     def _count(self, key: str) -> None:
-        self.counts[key] = self.counts.get(key, 0) + 1
+        with self.lock:
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     def take_counts(self) -> dict[str, int]:
         """The counts since the last take (one generate call's), reset with the turns."""
-        counts, self.counts, self.turns = self.counts, {}, {}
+        with self.lock:
+            counts, self.counts, self.turns = self.counts, {}, {}
         return counts
