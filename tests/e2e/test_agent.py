@@ -4,6 +4,8 @@ back, and write on; the actor trains only the tokens the model wrote."""
 
 import json
 
+import pytest
+
 from m2flow import config as C
 from m2flow.flows.reasoning import train
 
@@ -37,3 +39,19 @@ def test_a_grpo_run_calls_the_calculator_and_trains_only_the_tokens_the_model_wr
     print("held-out pass@1 with the tool", with_tool, "without", without)
     assert len(with_tool) == len(without) == 2
     assert min(with_tool) >= 0.8 and min(with_tool) > max(without) + 0.3, (with_tool, without)
+
+
+def test_an_agent_run_in_the_pipelined_plan_resumes_as_an_uninterrupted_run(cluster, tmp_path):
+    """Rollout on device 0 streams multi-turn groups to reward, inference and actor on device 1 (the loss masks
+    travel with them through the merged passes); a run stopped after step 2 and resumed gives step 3 as a run that
+    went through, from the same warm start."""
+    tools = ["agent.tools={calc: calc}", "cluster.placement=rollout: 0; reward,inference,actor: 1", "run.eval_every=0"]
+    full = run(cluster, tmp_path, "full", *tools, "run.steps=3")
+    start = f"model.path={tmp_path / 'full' / 'sft_model'}"
+    run(cluster, tmp_path, "parted", *tools, start, "sft.steps=0", "run.steps=2", "run.save_every=2")
+    parted = run(cluster, tmp_path, "parted", *tools, start, "sft.steps=0", "run.steps=3", "run.save_every=2",
+                 "run.resume=true")
+    assert [r["step"] for r in parted] == [1, 2, 3] and full[0]["agent/calls"] >= 0.5
+    for a, b in zip(full, parted):
+        for k in ("reward/mean", "agent/calls", "actor/tool_token_frac", "actor/pg_loss", "actor/grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k, a[k], b[k])
