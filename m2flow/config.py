@@ -500,16 +500,28 @@ def refill_reward_ranks(cfg, ranks: int) -> None:
                         f"'rollout,reward,inference,actor: 0-1:0'), or set algorithm.refill_rounds=0")
 
 
-def with_critic(placement):
-    """A reasoning placement with the critic placed: as given where it names `critic`, else beside the actor (the
-    actor's entry gains `critic`: `rollout: 0; reward,inference,actor: 1` -> `...,actor,critic: 1`)."""
+def place_beside(placement, name: str, beside: str):
+    """A placement with component `name` placed: as given where it names `name`, else beside `beside` (its entry
+    gains `name`: with_critic's `rollout: 0; reward,inference,actor: 1` -> `...,actor,critic: 1`)."""
     spec = "; ".join(f"{k}: {v}" for k, v in placement.items()) if isinstance(placement, dict) else placement
     entries = [e.strip() for e in str(spec).split(";") if e.strip()]
     named = [[n.strip() for n in e.partition(":")[0].split(",")] for e in entries]
-    if any("critic" in names for names in named) or not any("actor" in names for names in named):
-        return placement  # placed already; or no actor: the placement check names what is missing
-    return "; ".join(",".join(names + ["critic"] if "actor" in names else names) + ":" + e.partition(":")[2]
+    if any(name in names for names in named) or not any(beside in names for names in named):
+        return placement  # placed already; or no `beside`: the placement check names what is missing
+    return "; ".join(",".join(names + [name] if beside in names else names) + ":" + e.partition(":")[2]
                      for names, e in zip(named, entries))
+
+
+def with_critic(placement):
+    """A reasoning placement with the critic placed: as given where it names `critic`, else beside the actor."""
+    return place_beside(placement, "critic", "actor")
+
+
+def reasoning_components(cfg) -> list[str]:
+    """The reasoning flow's components, in data order: rollout, reward, inference, actor; the critic (before the
+    actor) with `algorithm.name=ppo`; the tool component (answering the rollout's tool calls) with `agent.tools`."""
+    names = ["rollout", "reward", "inference", *(["critic"] if cfg.algorithm.name == "ppo" else []), "actor"]
+    return names + (["tool"] if cfg.agent.tools else [])
 
 
 @dataclass
@@ -541,6 +553,11 @@ class ReasoningConfig:
             raise ConfigError(f"algorithm.gamma and lam must lie in [0, 1], got {alg.gamma} and {alg.lam}")
         if alg.name == "ppo" and self.cluster.placement != "auto":
             self.cluster.placement = with_critic(self.cluster.placement)
+        if self.agent.tools and self.cluster.placement == "auto":
+            raise ConfigError("agent.tools: cluster.placement=auto does not profile the tool component yet: name "
+                              "a placement, e.g. 'rollout,reward,inference,actor: 0-1:0' (the tools go beside reward)")
+        if self.agent.tools:  # the tool component beside the reward, unless the placement names it
+            self.cluster.placement = place_beside(self.cluster.placement, "tool", "reward")
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be >= 2 for grpo (advantages are relative within a group)")
         if not 0 <= self.algorithm.overlong_buffer <= self.rollout.max_new_tokens:

@@ -69,8 +69,7 @@ def _placement(cfg) -> None:
     devices = None if cfg.cluster.address else local_devices(cfg.cluster.cpu_devices)
     if spec == "auto" or devices is None:
         return
-    components = ["env", "rollout", "actor"] if isinstance(cfg, C.EmbodiedConfig) else [
-        "rollout", "reward", "inference", "actor", *(["critic"] if cfg.algorithm.name == "ppo" else [])]
+    components = ["env", "rollout", "actor"] if isinstance(cfg, C.EmbodiedConfig) else C.reasoning_components(cfg)
     try:
         placed = parse_placement(spec, devices, components)
     except PlacementError as e:

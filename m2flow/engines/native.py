@@ -41,14 +41,27 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
 
 
+def counter_uniforms(seed: int, requests: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One uniform in (0, 1) per row, a hash of (seed, request, position) alone: a sequence's draws do not depend on
+    which other sequences share its decode steps, nor on when (multi-turn: a sequence that waited for a tool)."""
+    mask = 0xFFFFFFFF
+    x = (requests * 0x85EBCA77 + positions * 0xC2B2AE3D + (seed * 0x9E3779B1 & mask)) & mask
+    for _ in range(3):  # xorshift-multiply rounds (lowbias32): products stay below 2^63
+        x = ((x ^ (x >> 16)) * 0x7FEB352D) & mask
+    x = x ^ (x >> 15)
+    return (x.double() + 0.5) / 2.0**32
+
+
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row and its logprob.
 
     logits: [R, V] fp32. Returns (tokens [R] long, logprobs [R] fp32). The logprob is log_softmax(logits / T) of the
     chosen token, before top-k/top-p truncation (see `Generation`); greedy (T == 0) reports T = 1 logprobs.
-    Sampling is inverse-CDF with one uniform draw per row (cheap on CPU, reproducible through `generator`).
+    Sampling is inverse-CDF with one uniform draw per row (cheap on CPU, reproducible through `generator`), or the
+    given `uniforms` [R].
     """
     if params.temperature == 0:
         tokens = logits.argmax(-1)
@@ -73,7 +86,8 @@ def sample_tokens(
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
     _check_finite(total)  # a NaN or +inf logit makes its row's sum NaN (checked on R numbers, not R x V)
-    u = torch.rand(total.shape, device=cdf.device, generator=generator, dtype=cdf.dtype) * total
+    u = (torch.rand(total.shape, device=cdf.device, generator=generator, dtype=cdf.dtype) if uniforms is None
+         else uniforms[:, None].to(cdf.dtype)) * total
     u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))  # u < total: the first cdf > u has p > 0
     tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
@@ -154,7 +168,9 @@ class NativeEngine:
         With `tool_hook`, a sequence whose response ends in a trigger gets the hook's tokens fed to it one per decode
         step, in place of sampled ones (the other sequences decode on meanwhile), then samples again. A hook may
         return an answer to come (an object with `done()` and `result()`, e.g. a concurrent.futures.Future): that
-        sequence then waits, feeding nothing new, while the others decode on.
+        sequence then waits, feeding nothing new, while the others decode on. With a hook, each sampled token's
+        uniform is a hash of (seed, request, position) (`counter_uniforms`), so when a tool answers does not change
+        what a sequence samples.
         """
         prompts = [list(map(int, p)) for p in prompts]
         results: list[list[Generation | None]] = [[None] * params.n for _ in prompts]
@@ -196,7 +212,15 @@ class NativeEngine:
             # a request whose tool answer is not in yet: its slot feeds a dummy token each step without advancing
             hold = torch.zeros(S, dtype=torch.long, device=dev)
             waiting: dict[tuple[int, int], object] = {}  # request -> the hook's pending answer (done(), result())
-            state += (force_buf, force_at, force_end, out_mask, hold)
+            # draws by (seed, request, position): when a tool answers cannot change what a sequence samples
+            req_id = torch.zeros(S, dtype=torch.long, device=dev)
+            draw_seed = params.seed if params.seed is not None else int(torch.randint(2**31, ()))
+            state += (force_buf, force_at, force_end, out_mask, hold, req_id)
+
+        def draw(slots: torch.Tensor, logits: torch.Tensor):
+            if tool_hook is None or params.temperature == 0:
+                return sample_tokens(logits, params, gen)
+            return sample_tokens(logits, params, gen, counter_uniforms(draw_seed, req_id[slots], n_gen[slots]))
         free = list(range(S))
         pending = deque((i, j) for i in range(len(prompts)) for j in range(params.n))
         n_done = [0] * len(prompts)
@@ -296,12 +320,14 @@ class NativeEngine:
                 for s, r in zip(take, reqs):
                     slot_req[s] = r
                 for slots, logits in self._prefill(w, prompts, take, reqs):
-                    tokens, logprobs = sample_tokens(logits, params, gen)
                     lens[slots] = torch.tensor([len(prompts[slot_req[s][0]]) for s in slots.tolist()], device=dev)
                     n_gen[slots] = 0
                     if tool_hook is not None:  # a new request in these slots: nothing to feed, every token its own
                         force_at[slots], force_end[slots], hold[slots] = 0, 0, 0
                         out_mask[slots] = 1
+                        req_id[slots] = torch.tensor([i * params.n + j for i, j in (slot_req[s] for s in
+                                                                                     slots.tolist())], device=dev)
+                    tokens, logprobs = draw(slots, logits)
                     record(slots, tokens, logprobs)
                 continue
             A = S - len(free)
@@ -313,8 +339,9 @@ class NativeEngine:
                 time.sleep(0.0005)
             logits = self._decode(w, last_tok[:A], lens[:A], int(lens[:A].max()) + 1)
             lens[:A] += 1 if tool_hook is None else 1 - hold[:A]
-            tokens, logprobs = sample_tokens(logits, params, gen)
-            record(torch.arange(A, device=dev), tokens, logprobs)
+            active = torch.arange(A, device=dev)
+            tokens, logprobs = draw(active, logits)
+            record(active, tokens, logprobs)
         return results
 
     # ------------------------------------------------------------------ model forward

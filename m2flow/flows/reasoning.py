@@ -28,11 +28,12 @@ from m2flow.workers.critic import CriticWorker
 from m2flow.workers.inference import InferenceWorker
 from m2flow.workers.reward import RewardWorker
 from m2flow.workers.rollout import RolloutWorker
+from m2flow.workers.tool import ToolWorker
 from m2flow.workers.sync import sync_weights
 from m2flow.workloads.reasoning.tasks import build_datasets
 from m2flow.workloads.reasoning.warm_start import prepare_model
 
-COMPONENTS = ["rollout", "reward", "inference", "actor"]  # algorithm.name=ppo adds "critic" (`components`)
+COMPONENTS = ["rollout", "reward", "inference", "actor"]  # + "critic" (algorithm.name=ppo), "tool" (agent.tools)
 PLOTS = {
     "reward": ["reward/mean", "reward/accuracy"],
     "response_length": ["response/length_mean"],
@@ -68,7 +69,8 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
     specs = [(RolloutWorker, plan["rollout"], (cfg, model_path)), (RewardWorker, plan["reward"], (cfg,)),
              (InferenceWorker, plan["inference"], (cfg, model_path)),
              *([(CriticWorker, plan["critic"], (cfg, model_path))] if "critic" in names else []),
-             (ActorWorker, plan["actor"], (cfg, model_path))]
+             (ActorWorker, plan["actor"], (cfg, model_path)),
+             *([(ToolWorker, plan["tool"], (cfg,))] if "tool" in names else [])]
     if cohost:
         (rollout,) = launch_all(cluster, specs[:1], run_dir=str(run.path))
         try:
@@ -79,8 +81,10 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
             raise
     else:
         groups = launch_all(cluster, specs, run_dir=str(run.path))
-    rollout, reward, inference, *critics, actor = groups
-    critic = critics[0] if critics else None  # PPO: values the tokens between inference and actor
+    by_name = dict(zip(names, groups))
+    rollout, reward, inference, actor = (by_name[c] for c in COMPONENTS)
+    critic = by_name.get("critic")  # PPO: values the tokens between inference and actor
+    tool = by_name.get("tool")  # agent.tools: answers the rollout's tool calls
     switched, state_bytes = context_switched(cfg, plan, groups)
     for g in switched:  # each takes its state onto the device for its turns only; off it from the start
         g.set_context_switch(True).wait()
@@ -120,7 +124,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
                     prompts = train_set.next_batch(cfg.rollout.prompts_per_step)
                     shards = [prompts[r :: rollout.world_size] for r in range(rollout.world_size)]
                     return rollout.call_per_rank("generate", [(s, samples, k, reward.world_size, plan.micro_batch,
-                                                               draw) for s in shards])
+                                                               draw, tool) for s in shards])
 
                 def after_scoring() -> list:
                     """Inference (old and reference logprobs), then with PPO the critic (values, GAE)."""
@@ -218,7 +222,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
                         log(step + 1, last, evaluation)  # the metrics never run behind a checkpoint
                         # a resume regenerates the steps in flight: it restarts the data where step + 1's prompts began
                         data_state = in_flight[0][0] if in_flight else train_set.state_dict()
-                        save_checkpoint(run, cfg, step + 1, [actor, *critics], data_state)
+                        save_checkpoint(run, cfg, step + 1, [actor, *([critic] if critic else [])], data_state)
                     elif evaluation:
                         held = (step + 1, last, evaluation)
                     else:
@@ -241,8 +245,9 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
 
 
 def components(cfg: ReasoningConfig) -> list[str]:
-    """The flow's components: rollout, reward, inference, actor; and the critic with `algorithm.name=ppo`."""
-    return [*COMPONENTS[:3], "critic", "actor"] if cfg.algorithm.name == "ppo" else list(COMPONENTS)
+    """The flow's components: rollout, reward, inference, actor; the critic with `algorithm.name=ppo`; the tool
+    component with `agent.tools`."""
+    return C.reasoning_components(cfg)
 
 
 def context_switched(cfg: ReasoningConfig, plan: ExecutionPlan, groups: list) -> tuple[list, int]:

@@ -49,11 +49,12 @@ class RolloutWorker(Worker):
         self.agent = agent_hook(cfg.agent, self.tokenizer)  # multi-turn: the engine feeds back tool answers
 
     def generate(self, prompts: list[dict], out, step: int, consumers: int = 1, granularity: int = 1,
-                 draw: int = 0) -> dict:
+                 draw: int = 0, tools=None) -> dict:
         """Sample `rollout.n` responses for each prompt {index, ids, answer}; put finished prompt groups into `out`
         once `granularity` samples are ready (one round trip per put; 1: each group at once), then one END per
         consumer rank. `draw`: the step's sampling round (dynamic sampling's refills are rounds 1, 2, ...: each its own
-        seed). Returns generation metrics."""
+        seed). `tools`: the tool component (agent.tools), whose rank r % its size answers this rank's calls (else
+        this process answers them). Returns generation metrics."""
         r = self.cfg.rollout
         seed = self.cfg.run.seed * 1_000_003 + step * 101 + self.rank + draw * 7_919
         params = SamplingParams(
@@ -84,6 +85,9 @@ class RolloutWorker(Worker):
             if sum(len(g["responses"]) for g in ready) >= granularity:
                 flush()
 
+        if self.agent:
+            self.agent.remote = None if tools is None else tools.on(self.rank % tools.world_size)
+            self.agent.step = step
         with self.device_phase("generate", step):
             start = time.perf_counter()
             self.engine.generate([p["prompt_ids"] for p in prompts], params, on_group_done=emit, tool_hook=self.agent)

@@ -22,8 +22,14 @@ def run(cluster, tmp_path, name, *overrides):
 
 
 def test_a_grpo_run_calls_the_calculator_and_trains_only_the_tokens_the_model_wrote(cluster, tmp_path):
-    tools = run(cluster, tmp_path, "tools", "agent.tools={calc: calc}")
+    tools = run(cluster, tmp_path, "tools", "agent.tools={calc: calc}", "run.trace=true")
     plain = run(cluster, tmp_path, "plain")
+    # the tool component (placed beside the reward: here in the one collocated process) answered the calls
+    plan = (tmp_path / "tools" / "plan.yaml").read_text()
+    assert "tool:" in plan and "rollout,reward,inference,actor,tool: 0-1:0" in plan
+    trace = json.loads((tmp_path / "tools" / "trace.json").read_text())
+    spans = [e for e in (trace["traceEvents"] if isinstance(trace, dict) else trace) if e.get("name") == "tool"]
+    assert len(spans) >= 8, len(spans)
     steps = [r for r in tools if "agent/calls" in r]
     assert len(steps) == 2
     for r in steps:
@@ -43,8 +49,9 @@ def test_a_grpo_run_calls_the_calculator_and_trains_only_the_tokens_the_model_wr
 
 def test_an_agent_run_in_the_pipelined_plan_resumes_as_an_uninterrupted_run(cluster, tmp_path):
     """Rollout on device 0 streams multi-turn groups to reward, inference and actor on device 1 (the loss masks
-    travel with them through the merged passes); a run stopped after step 2 and resumed gives step 3 as a run that
-    went through, from the same warm start."""
+    travel with them through the merged passes), the tool component there answering its calls; a run stopped after
+    step 2 and resumed gives step 3 as a run that went through, from the same warm start (the draws do not depend on
+    when an answer comes back)."""
     tools = ["agent.tools={calc: calc}", "cluster.placement=rollout: 0; reward,inference,actor: 1", "run.eval_every=0"]
     full = run(cluster, tmp_path, "full", *tools, "run.steps=3")
     start = f"model.path={tmp_path / 'full' / 'sft_model'}"
@@ -52,6 +59,9 @@ def test_an_agent_run_in_the_pipelined_plan_resumes_as_an_uninterrupted_run(clus
     parted = run(cluster, tmp_path, "parted", *tools, start, "sft.steps=0", "run.steps=3", "run.save_every=2",
                  "run.resume=true")
     assert [r["step"] for r in parted] == [1, 2, 3] and full[0]["agent/calls"] >= 0.5
+    # the tool component, beside the reward on device 1 in a process of its own, answered over Ray
+    assert "reward,inference,actor,tool: 1" in (tmp_path / "full" / "plan.yaml").read_text()
+    assert all(r["agent/ok"] >= 0.8 * r["agent/calls"] for r in full)
     for a, b in zip(full, parted):
         for k in ("reward/mean", "agent/calls", "actor/tool_token_frac", "actor/pg_loss", "actor/grad_norm"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k, a[k], b[k])

@@ -71,6 +71,8 @@ CASES = [
      "error: agent.tools: tool 'nomod_xyz:fn': cannot import module 'nomod_xyz'"),
     ("tools with the HF engine", ["train", "grpo_arithmetic", "agent.tools={calc: calc}", "rollout.engine=hf"],
      "config error: agent.tools: multi-turn rollouts with tools need rollout.engine=native, got 'hf'"),
+    ("tools with auto placement", ["train", "grpo_arithmetic", "agent.tools={calc: calc}", "cluster.placement=auto"],
+     "config error: agent.tools: cluster.placement=auto does not profile the tool component yet"),
     ("model directory missing", ["train", "grpo_arithmetic", "model.path={tmp}/nope", *TINY],
      "error: model.path: no directory at '{tmp}/nope'"),
     ("model directory without config.json", ["train", "grpo_arithmetic", "model.path={tmp}/empty", *TINY],

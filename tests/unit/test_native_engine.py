@@ -306,3 +306,21 @@ def test_answers_that_come_later_give_the_same_sequences_while_the_others_decode
         assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-5)
     calls = len(slow.calls)
     assert seconds < 0.7 * calls * 0.2, (seconds, calls)  # not one wait after another
+
+
+def test_sampled_multi_turn_output_does_not_depend_on_when_answers_come_nor_on_batching():
+    """With a tool hook each draw is a hash of (seed, request, position): sampled sequences are the same whether the
+    answers come at once or 0.05 s later, and whatever the number of slots."""
+    model = make_model("qwen2")
+    prompts = make_prompts(MIXED)
+    params = SamplingParams(n=2, max_new_tokens=20, temperature=1.0, seed=3)
+    plain = NativeEngine(model).generate(prompts, params)
+    trigger = plain[0][0].response_ids[0]
+    answer = [t for t in range(3, 9) if t != trigger][:3]
+    runs = [NativeEngine(model, max_slots=slots).generate(prompts, params, tool_hook=hook) for slots, hook in
+            [(16, EchoTool(trigger, answer)), (16, SlowEcho(trigger, answer, 0.05)), (3, EchoTool(trigger, answer))]]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert [g.response_ids for g in a] == [g.response_ids for g in b]
+            assert [g.loss_mask for g in a] == [g.loss_mask for g in b]
+    assert sum(g.loss_mask.count(0) > 0 for group in runs[0] for g in group) >= 2

@@ -272,6 +272,9 @@ class AgentHook:
         self.inline = {name for name, fn in toolbox.fns.items() if fn in Toolbox.BUILT_IN.values()}
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="m2flow-tool")
         self.lock = threading.Lock()
+        # where calls go instead of `toolbox`: an object whose run(tool, text, step) returns a handle with wait()
+        # -> [(text, status)] (the tool component's group, one rank); every call then comes back later
+        self.remote, self.step = None, None
 
     def __call__(self, prompt_index: int, sample_index: int, response_ids: list[int]) -> list[int] | None:
         text = self.decode(response_ids)
@@ -284,12 +287,15 @@ class AgentHook:
             self._count("over_turns")
             return None
         self.turns[key] = self.turns.get(key, 0) + 1
-        if call.tool in self.inline:
+        if call.tool in self.inline and self.remote is None:
             return self._answer(call)
         return self.pool.submit(self._answer, call)
 
     def _answer(self, call: ToolCall) -> list[int]:
-        result = self.toolbox.run(call)
+        if self.remote is None:
+            result = self.toolbox.run(call)
+        else:
+            result = ToolResult(*self.remote.run(call.tool, call.text, self.step).wait()[0])
         self._count(result.status)
         return self.encode(format_result(result))
 
