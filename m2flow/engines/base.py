@@ -50,8 +50,8 @@ class ToolHook(Protocol):
     e.g. a closing tag `</calc>`), the engine calls the hook with (prompt index, sample index, the response so far)
     and inserts the token ids it returns (a tool's answer) into that sequence, marked 0 in `loss_mask`, before the
     model writes on; None inserts nothing. Every inserted token counts against `max_new_tokens`. It may also return
-    an answer still to come (an object with `done()` and `result()`, e.g. a concurrent.futures.Future): the sequence
-    waits for it while the others generate on."""
+    an answer still to come (an object with `done()` and `result()`, e.g. a concurrent.futures.Future, whose result
+    holds at least one token): the sequence waits for it while the others generate on."""
 
     triggers: Sequence[Sequence[int]]
 

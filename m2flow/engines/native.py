@@ -306,7 +306,11 @@ class NativeEngine:
                 if answer.done():
                     del waiting[slot_req[s]]
                     hold[s] = 0
-                    queue_answer(s, answer.result())
+                    ids = answer.result()
+                    if not ids:  # this step fed a dummy: only an answer's first token can follow it
+                        raise ValueError(f"tool hook: an answer that comes later must hold tokens; request "
+                                         f"{slot_req[s]} got {ids!r}")
+                    queue_answer(s, ids)
                 else:
                     hold[s] = 1  # from the next step on it feeds a dummy at its length, without advancing
                     keep[pos] = False
