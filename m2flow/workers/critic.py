@@ -89,7 +89,6 @@ class CriticWorker(Worker):
         else:
             out.put(sent, weight=len(sent))
         finish(out, consumers, keyed=consumers > 1)
-        samples = int(real.sum())
         # how well the values the advantages came from predicted the returns, over every rank's tokens
         n, v, r, r2, e, e2, rows = self._sum(mask, old * mask, ret * mask, ret.square() * mask, (ret - old) * mask,
                                              (ret - old).square() * mask, real.float())
