@@ -28,8 +28,8 @@ from m2flow.workers.critic import CriticWorker
 from m2flow.workers.inference import InferenceWorker
 from m2flow.workers.reward import RewardWorker
 from m2flow.workers.rollout import RolloutWorker
-from m2flow.workers.tool import ToolWorker
 from m2flow.workers.sync import sync_weights
+from m2flow.workers.tool import ToolWorker
 from m2flow.workloads.reasoning.tasks import build_datasets
 from m2flow.workloads.reasoning.warm_start import prepare_model
 
