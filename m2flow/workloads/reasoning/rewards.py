@@ -323,6 +323,11 @@ class RewardRunner:
             pass
 
 
+def import_path() -> str:
+    """This process's import path as a PYTHONPATH for a child process (absolute, the working directory for '')."""
+    return os.pathsep.join(os.path.abspath(p) if p else os.getcwd() for p in sys.path)
+
+
 class _Worker:
     """One reward worker subprocess speaking pickles over its stdin/stdout; at most one task in flight."""
 
@@ -337,7 +342,7 @@ class _Worker:
     @classmethod
     def start(cls, fn_bytes: bytes) -> "_Worker":
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else os.getcwd() for p in sys.path)
+        env["PYTHONPATH"] = import_path()
         proc = subprocess.Popen(
             [sys.executable, "-c", f"from {__name__} import _worker_main; _worker_main()"],
             stdin=subprocess.PIPE,

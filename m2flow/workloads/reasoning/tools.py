@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+from m2flow.workloads.reasoning.rewards import import_path
+
 __all__ = ["AgentHook", "ToolCall", "ToolResult", "Toolbox", "calc", "final_answer", "find_call", "format_result",
            "load_tool", "run_python", "run_user_tool", "tool_trace"]
 
@@ -156,8 +158,7 @@ sys.stdout.write(out)
 def run_user_tool(spec: str, text: str, timeout_s: float = 5.0, memory_mb: int = 1024) -> str:
     """Call the tool `spec` (`pkg.module:function`) with `text` in a process of its own (this one's import path,
     `timeout_s` of wall time, `memory_mb` of address space): a tool that hangs or eats memory is cut there."""
-    env = {"PATH": os.defpath, "PYTHONPATH": os.pathsep.join(os.path.abspath(p) if p else os.getcwd()
-                                                            for p in sys.path)}
+    env = {"PATH": os.defpath, "PYTHONPATH": import_path()}
     return _in_subprocess(["-c", _CALL_TOOL, spec], text, timeout_s, memory_mb, env)
 
 
