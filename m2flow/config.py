@@ -315,6 +315,7 @@ class DataConfig:
     prompt_key: str = opt("", "prompt column of the file (empty: the layout's: prompt | question | problem)")
     answer_key: str = opt("", "answer column of the file (empty: the layout's: answer | answer | solution)")
     digits: int = opt(2, "operand digits of the arithmetic task")
+    digits_b: int = opt(0, "digits of the arithmetic task's second operand (0: data.digits); 3 and 2 give 123*45")
     ops: str = opt("+", "operators of the arithmetic task, e.g. '+-'")
     train_size: int = opt(5000, "synthetic training problems")
     eval_size: int = opt(200, "held-out problems for evaluation")
@@ -327,6 +328,9 @@ class DataConfig:
             raise ConfigError(f"{where}.layout must be plain | gsm8k | math, got '{self.layout}'")
         if self.task == "file" and not self.path:
             raise ConfigError(f"{where}.path is required when {where}.task=file")
+        if self.digits < 1 or self.digits_b < 0:
+            raise ConfigError(f"{where}.digits must be >= 1 and {where}.digits_b >= 0 (0: as digits), got "
+                              f"{self.digits} and {self.digits_b}")
 
 
 CHECK_SYNC_HELP = ("verify that the receivers' weights equal the actor's (a hash of every weight on both sides): "

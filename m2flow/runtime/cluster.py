@@ -91,11 +91,14 @@ class Cluster:
     With `reuse_processes` (the default), a group released after a run that went well (`release_all`) leaves its
     worker processes idle here, and the next group launched on the same node (and the same GPUs) is built in one of
     them instead of a new process: no Python start-up and no torch / transformers import (seconds per process). A
-    killed group's processes are never reused.
+    process is reused only by the role it was started for (component and rank), so its Ray actor name
+    (`m2flow:<component>:<rank>:<id>`) stays true; at most `max_idle_processes` are kept (the oldest kept is ended
+    first). A killed group's processes are never reused.
     """
 
     def __init__(self, address: str | None = None, cpu_devices: int | list[int] | None = None,
-                 num_cpus: int | None = None, use_gpus: bool = True, reuse_processes: bool = True):
+                 num_cpus: int | None = None, use_gpus: bool = True, reuse_processes: bool = True,
+                 max_idle_processes: int = 16):
         cpu_devices = list(cpu_devices) if isinstance(cpu_devices, tuple) else cpu_devices
         check_cpu_devices(cpu_devices, "Cluster: cpu_devices")
         self._started = not ray.is_initialized()
@@ -113,7 +116,10 @@ class Cluster:
                 ray.init(include_dashboard=False, logging_level=logging.WARNING, **args)
         self._locks: dict[int, DeviceLock] = {}
         self.reuse_processes = reuse_processes
-        self._idle: dict[tuple, list] = {}  # (node id, GPU ids) -> idle worker processes (actor handles)
+        self.max_idle_processes = max_idle_processes
+        self._idle: dict[tuple, list] = {}  # (node id, GPU ids, role) -> idle worker processes (actor handles)
+        self._kept: list[tuple] = []  # (key, actor) of every idle process, oldest first
+        self._roles: dict = {}  # actor id -> (component, rank) of the role a worker process was started for
         self.devices: list[Device] = []
         self.nodes: list[dict] = []
         here = ray.get_runtime_context().get_node_id()
@@ -152,18 +158,42 @@ class Cluster:
             self._locks[index] = DeviceLock(index, self.device(index).node_id)
         return self._locks[index]
 
-    def take_idle_process(self, key: tuple):
-        """An idle worker process kept under `key` (see `keep_idle_process`), or None."""
-        idle = self._idle.get(key)
-        return idle.pop() if idle else None
+    def started_process(self, actor, role: tuple[str, int]) -> None:
+        """Note the role (component, rank) a new worker process was started (and Ray-named) for."""
+        self._roles[actor._actor_id] = role
+
+    def take_idle_process(self, key: tuple, role: tuple[str, int]):
+        """An idle worker process kept under `key` (see `keep_idle_process`) that was started for `role`, or None."""
+        idle = self._idle.get((*key, role))
+        if not idle:
+            return None
+        actor = idle.pop()
+        self._kept = [(k, a) for k, a in self._kept if a is not actor]
+        return actor
 
     def keep_idle_process(self, key: tuple, actor) -> None:
-        """Keep a worker process that no group uses any more, for the next group launched under `key`; killed
-        instead when `reuse_processes` is off."""
-        if self.reuse_processes:
-            self._idle.setdefault(key, []).append(actor)
-        else:
+        """Keep a worker process that no group uses any more, for the next group launched under `key` in the role it
+        was started for; killed instead when `reuse_processes` is off, and the oldest kept one is killed when more
+        than `max_idle_processes` would be kept."""
+        role = self._roles.get(actor._actor_id)
+        if not self.reuse_processes or role is None or self.max_idle_processes < 1:
+            self.end_process(actor)
+            return
+        full = (*key, role)
+        self._idle.setdefault(full, []).append(actor)
+        self._kept.append((full, actor))
+        while len(self._kept) > self.max_idle_processes:
+            old_key, old = self._kept.pop(0)
+            self._idle[old_key].remove(old)
+            self.end_process(old)
+
+    def end_process(self, actor) -> None:
+        """Kill a worker process (already gone is fine) and forget its role."""
+        self._roles.pop(actor._actor_id, None)
+        try:
             ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
     @property
     def idle_processes(self) -> int:
@@ -173,12 +203,10 @@ class Cluster:
     def shutdown(self) -> None:
         """Stop Ray if this Cluster started it (a joined or pre-initialized Ray is left running, less the idle
         worker processes this Cluster kept)."""
-        for actor in (a for idle in self._idle.values() for a in idle):
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+        for _, actor in self._kept:
+            self.end_process(actor)
         self._idle.clear()
+        self._kept.clear()
         self._locks.clear()
         if self._started and ray.is_initialized():
             ray.shutdown()

@@ -589,10 +589,13 @@ class Group:
             if devs[0].kind == "gpu":
                 proc_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.gpu_id) for d in devs)
             proc_env.update(env or {})
-            actors.append(_reused_host(cluster, _process_key(devs), proc_env, cores, devs[0].kind == "cpu") or
-                          _Host.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                                        max_restarts=0, name=f"m2flow:{name}:{rank}:{uuid.uuid4().hex[:8]}")
-                          .remote(proc_env, cores, devs[0].kind == "cpu"))
+            actor = _reused_host(cluster, _process_key(devs), (name, rank), proc_env, cores, devs[0].kind == "cpu")
+            if actor is None:
+                actor = (_Host.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                                       max_restarts=0, name=f"m2flow:{name}:{rank}:{uuid.uuid4().hex[:8]}")
+                         .remote(proc_env, cores, devs[0].kind == "cpu"))
+                cluster.started_process(actor, (name, rank))
+            actors.append(actor)
         return cls(worker_cls, placement, actors, {}, cluster=cluster)
 
     def _construct(self, cluster: Cluster, run_dir: str | None, args, kwargs) -> Handle:
@@ -666,6 +669,9 @@ class Group:
         `ray.kill` only asks for the kill; here each process is pinged until Ray reports it dead."""
         actors = [self._actors[rank] for rank in self._ranks]
         for actor in actors:
+            if self._cluster is not None:
+                self._cluster.end_process(actor)
+                continue
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
@@ -699,17 +705,16 @@ def _process_key(devs: Sequence[Device]) -> tuple:
     return devs[0].node_id, tuple(d.gpu_id for d in devs if d.kind == "gpu")
 
 
-def _reused_host(cluster: Cluster, key: tuple, env: dict[str, str], cores: list[int], pin: bool):
-    """An idle process of `cluster` under `key`, bound to a new rank; None if there is none (or none alive)."""
-    while (actor := cluster.take_idle_process(key)) is not None:
+def _reused_host(cluster: Cluster, key: tuple, role: tuple[str, int], env: dict[str, str], cores: list[int],
+                 pin: bool):
+    """An idle process of `cluster` under `key` started for `role`, bound to a new rank; None if there is none (or
+    none alive)."""
+    while (actor := cluster.take_idle_process(key, role)) is not None:
         try:
             ray.get(actor.rebind.remote(env, cores, pin), timeout=60)
             return actor
         except ray.exceptions.RayError:  # died while idle (or hung): forget it
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead
-                pass
+            cluster.end_process(actor)
     return None
 
 
@@ -730,7 +735,7 @@ def release_all(groups: Sequence[Group], timeout: float = 60.0) -> None:
         elif out[1] == 0:
             g._cluster.keep_idle_process(keys[id(g)][rank], actor)
         elif out[1] < 0:  # it joined a torch.distributed group: ended, not kept
-            ray.kill(actor, no_restart=True)
+            g._cluster.end_process(actor)
     for g in dict.fromkeys(failed):
         g.kill()
 

@@ -184,21 +184,42 @@ def test_worker_processes_are_titled_by_role(cluster, calc):
         asker.kill()
 
 
-def test_ray_names_a_new_worker_process_by_its_role(cluster):
-    """`ray list actors` tells the processes apart too: m2flow:<component>:<rank>:<id> (the role a process was
-    started for: a process reused by a later group keeps its name, while its title follows the role)."""
-    idle, cluster._idle = cluster._idle, {}  # no idle process to reuse: both ranks start new ones
-    try:
-        asker = Asker.launch(cluster, parse_placement("asker: 0-1", cluster.num_devices, ["asker"])["asker"])
-    finally:
-        cluster._idle = idle
-    try:
-        asker.pid().wait()
+def test_ray_names_every_worker_process_by_its_role(cluster):
+    """`ray list actors` tells the processes apart too: m2flow:<component>:<rank>:<id>. A released process is reused
+    only by the role it was started for, so the name stays true for a later group; another role starts its own."""
+    def names(group):
+        group.pid().wait()
         by_id = {ray.get_actor(n)._actor_id: n for n in ray.util.list_named_actors() if n.startswith("m2flow:")}
-        names = [by_id[asker._actors[rank]._actor_id] for rank in (0, 1)]
-        assert [n.rsplit(":", 1)[0] for n in names] == ["m2flow:asker:0", "m2flow:asker:1"], names
+        return [by_id[group._actors[rank]._actor_id].rsplit(":", 1)[0] for rank in group.ranks]
+
+    first = Asker.launch(cluster, parse_placement("asker: 0-1", cluster.num_devices, ["asker"])["asker"])
+    assert names(first) == ["m2flow:asker:0", "m2flow:asker:1"]
+    pids = first.pid().wait()
+    release_all([first])
+    other = Asker.launch(cluster, parse_placement("teller: 0-1", cluster.num_devices, ["teller"])["teller"])
+    again = Asker.launch(cluster, parse_placement("asker: 1", cluster.num_devices, ["asker"])["asker"])
+    try:
+        assert names(other) == ["m2flow:teller:0", "m2flow:teller:1"]
+        assert not set(other.pid().wait()) & set(pids)  # not the asker's processes
+        assert names(again) == ["m2flow:asker:0"] and again.pid().wait() == [pids[0]]  # asker rank 0's, on device 1
     finally:
-        asker.kill()
+        other.kill()
+        again.kill()
+
+
+def test_at_most_max_idle_processes_are_kept_the_oldest_ended_first(cluster):
+    saved = cluster.max_idle_processes, cluster._idle, cluster._kept
+    cluster.max_idle_processes, cluster._idle, cluster._kept = 1, {}, []  # the suite's idle processes set aside
+    try:
+        first = Asker.launch(cluster, parse_placement("older: 0-1", cluster.num_devices, ["older"])["older"])
+        pids = first.pid().wait()
+        release_all([first])  # rank 0 is kept first, so rank 1 pushes it out
+        assert cluster.idle_processes == 1
+        assert _gone(pids[0]) and os.path.exists(f"/proc/{pids[1]}")
+    finally:
+        for _, actor in cluster._kept:
+            cluster.end_process(actor)
+        cluster.max_idle_processes, cluster._idle, cluster._kept = saved
 
 
 def test_remote_exception_names_component_rank_and_traceback(calc):
@@ -427,12 +448,12 @@ def test_a_released_group_leaves_clean_processes_that_the_next_group_reuses(clus
     with pytest.raises(WorkerError, match="a rank 0: state\\(\\) raised RuntimeError: the group was released"):
         first.state().wait(timeout=30)
 
-    # one rank over both devices: an idle process of this node takes it, re-pinned to both cores
-    second = Residue.launch(cluster, parse_placement("b: 0-1:0", cluster.num_devices, ["b"])["b"], str(tmp_path))
+    # one rank over both devices: the idle process of this role (a, rank 0) takes it, re-pinned to both cores
+    second = Residue.launch(cluster, parse_placement("a: 0-1:0", cluster.num_devices, ["a"])["a"], str(tmp_path))
     try:
         (got,) = second.state().wait(timeout=30)
-        assert got["pid"] in {s["pid"] for s in fresh}
-        assert (got["component"], got["rank"], got["leftover"], got["dist"]) == ("b", "0", None, False)
+        assert got["pid"] == fresh[0]["pid"]
+        assert (got["component"], got["rank"], got["leftover"], got["dist"]) == ("a", "0", None, False)
         assert got["cores"] == sorted({c for d in cluster.devices for c in d.cores}) and got["threads"] == len(got["cores"])
         assert got["seed"] not in {s["seed"] for s in fresh}  # the global RNG got a new seed, as in a new process
         assert second.dirty(True).wait(timeout=30)[0][0]  # a process group can be made

@@ -40,6 +40,15 @@ def test_arithmetic_is_seeded_correct_and_splits_are_disjoint():
         assert split_of(r["prompt"], 0.1) == ("test" if r in test else "train")
 
 
+def test_arithmetic_operands_can_have_different_lengths():
+    recs = arithmetic(500, seed=0, digits=3, digits_b=2, ops="*-")
+    for r in recs:
+        a, b = r["expression"].replace("-", "*").split("*")
+        assert (len(a), len(b)) == (3, 2) and r["prompt"] == r["expression"] + "="
+        assert r["answer"] == str(eval(r["expression"])) and int(r["answer"]) >= 0
+    assert {r["expression"][3] for r in recs} == {"*", "-"}
+
+
 def test_arithmetic_small_space_is_a_clear_error():
     with pytest.raises(ValueError, match="too small"):
         arithmetic(50, digits=1, split="test")

@@ -52,22 +52,27 @@ def _sample_unique(n: int, seed: int, split: str, holdout: float, make, task: st
 
 
 def arithmetic(
-    n: int, seed: int = 0, digits: int = 2, ops: str = "+", split: str = "train", holdout: float = 0.1
+    n: int, seed: int = 0, digits: int = 2, ops: str = "+", split: str = "train", holdout: float = 0.1,
+    digits_b: int = 0,
 ) -> list[dict]:
     """n distinct problems like {"prompt": "37+45=", "answer": "82", "solution": "82", "expression": "37+45"}.
 
-    Operands have exactly `digits` digits (0-9 when digits == 1); `ops` is any of "+-*". For "-" the larger
-    operand comes first, so answers are never negative.
+    Operands have exactly `digits` digits (0-9 when digits == 1), the second one `digits_b` if given (123*45 with
+    3 and 2); `ops` is any of "+-*". For "-" the larger operand comes first, so answers are never negative.
     """
     bad = set(ops) - set("+-*")
     if not ops or bad:
         raise ValueError(f"arithmetic: ops must be a non-empty string of '+', '-', '*', got {ops!r}")
-    if digits < 1:
-        raise ValueError(f"arithmetic: digits must be >= 1, got {digits}")
-    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    if digits < 1 or digits_b < 0:
+        raise ValueError(f"arithmetic: digits must be >= 1 and digits_b >= 0, got {digits} and {digits_b}")
+
+    def span(d: int) -> tuple[int, int]:
+        return (0 if d == 1 else 10 ** (d - 1)), 10**d - 1
+
+    first, second = span(digits), span(digits_b or digits)
 
     def make(rng: random.Random):
-        a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(ops)
+        a, b, op = rng.randint(*first), rng.randint(*second), rng.choice(ops)
         if op == "-" and a < b:
             a, b = b, a
         prompt = f"{a}{op}{b}="
