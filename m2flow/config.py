@@ -557,10 +557,7 @@ class ReasoningConfig:
             raise ConfigError(f"algorithm.gamma and lam must lie in [0, 1], got {alg.gamma} and {alg.lam}")
         if alg.name == "ppo" and self.cluster.placement != "auto":
             self.cluster.placement = with_critic(self.cluster.placement)
-        if self.agent.tools and self.cluster.placement == "auto":
-            raise ConfigError("agent.tools: cluster.placement=auto does not profile the tool component yet: name "
-                              "a placement, e.g. 'rollout,reward,inference,actor: 0-1:0' (the tools go beside reward)")
-        if self.agent.tools:  # the tool component beside the reward, unless the placement names it
+        if self.agent.tools and self.cluster.placement != "auto":  # beside the reward, unless the placement names it
             self.cluster.placement = place_beside(self.cluster.placement, "tool", "reward")
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be >= 2 for grpo (advantages are relative within a group)")

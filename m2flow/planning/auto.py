@@ -12,7 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
-from m2flow.config import EmbodiedConfig, UserError
+from m2flow.config import EmbodiedConfig, UserError, place_beside
 from m2flow.planning.profile import components_of, profile_reasoning
 from m2flow.planning.profile_embodied import profile_embodied
 from m2flow.runtime import Cluster
@@ -65,10 +65,13 @@ def flow_plans(profile: Profile, num_devices: int, group: int, top: int = 10, of
     return dataclasses.replace(result, candidates=keep[:top], collocated=collocated)
 
 
-def plan_of(candidate: Candidate, result: SearchResult) -> AutoPlan:
-    """The ExecutionPlan that launches `candidate` (a FlowCandidate)."""
-    base = make_plan(candidate.spec, result.num_devices, list(result.profile.stages), result.batch,
-                     candidate.micro_batch, candidate.offload)
+def plan_of(candidate: Candidate, result: SearchResult, beside: dict[str, str] | None = None) -> AutoPlan:
+    """The ExecutionPlan that launches `candidate` (a FlowCandidate); `beside`: components the search did not place
+    (no device work), each placed where the named stage is, {"tool": "reward"}."""
+    spec, names = candidate.spec, list(result.profile.stages)
+    for name, stage in (beside or {}).items():
+        spec, names = place_beside(spec, name, stage), names + [name]
+    base = make_plan(spec, result.num_devices, names, result.batch, candidate.micro_batch, candidate.offload)
     return AutoPlan(base.placement, base.micro_batch, base.channel_maxsize, base.offload,
                     candidate.seconds, {label: round(s, 6) for label, s in candidate.prediction.parts})
 
@@ -87,7 +90,9 @@ def auto_plan(cfg, cluster: Cluster, run_dir: str | Path) -> AutoPlan:
     _write_search(run_dir, path, result, f"{batch} samples per step", f"the reasoning flow can run (offload "
                   f"{'considered' if offload else 'off'}, micro-batches of whole groups of {cfg.rollout.n}, one "
                   f"process per component)")
-    return plan_of(result.best, result)
+    # the tool component holds no model and takes no device lock: beside the reward, as in a placement that does
+    # not name it (the profile's rollout times include the waits for its answers)
+    return plan_of(result.best, result, beside={"tool": "reward"} if cfg.agent.tools else None)
 
 
 def auto_plan_embodied(cfg, cluster: Cluster, run_dir: str | Path) -> tuple[AutoPlan, int]:

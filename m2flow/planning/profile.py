@@ -30,6 +30,7 @@ from m2flow.workers.inference import InferenceWorker
 from m2flow.workers.reward import RewardWorker
 from m2flow.workers.rollout import RolloutWorker
 from m2flow.workers.sync import sync_weights
+from m2flow.workers.tool import ToolWorker
 from m2flow.workloads.reasoning.tasks import build_datasets
 from m2flow.workloads.reasoning.warm_start import prepare_model
 
@@ -189,6 +190,8 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
     tag = f"{out_path.resolve()}:{time.time_ns()}"
     inp, out = Channel.create(f"{tag}/in"), Channel.create(f"{tag}/out")
 
+    tools = None  # agent.tools: the tool component, in the rollout's process (as a collocated plan places it)
+
     def call(g, method, items, *args) -> tuple[dict, list]:
         """Feed `items` (+ END) into `inp`, run the call, return its measurements and what it put into `out`."""
         if items is not None:
@@ -204,7 +207,7 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
         rows."""
         rollout, reward, inference, *critic, actor = groups
         got = {}
-        got["rollout"], samples = call(rollout, "generate", None, prompts[: b // group], out, step[0])
+        got["rollout"], samples = call(rollout, "generate", None, prompts[: b // group], out, step[0], 1, 1, 0, tools)
         got["reward"], scored = call(reward, "score", samples, inp, out, step[0], 1)
         got["inference"], ready = call(inference, "logprobs", scored, inp, out, step[0], b, 1)
         if critic:  # values and GAE, then its own update: all of it the critic's work on the batch
@@ -213,6 +216,10 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
         info["items"] = dict(samples=samples, scored=scored, ready=ready)
         if record is None:
             return
+        if tools is not None:  # the rollout's time includes its waits for the tools' answers; these are their calls
+            calls = [sp["end"] - sp["start"] for sp in tools.spans(clear=True) if sp["phase"] == "tool"]
+            details.setdefault("tool_calls", []).append(dict(batch=b, devices=record, calls=len(calls),
+                                                            seconds=sum(calls)))
         sizes = {"rollout": b, "reward": b, "inference": sum(len(g["responses"]) for g in scored),
                  "critic": sum(len(x) for x in ready), "actor": sum(len(x) for x in ready)}
         for name, r in got.items():
@@ -234,8 +241,13 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
     try:
         for d in devices:
             groups = _launch(cluster, cfg, model_path, d, work_dir)
-            with running(groups):  # released after it (the processes host the next probes or the run), killed on a raise
+            with running(list(groups)) as held:  # released after it (their processes host the next probes or the
+                # run), killed on a raise
                 rollout, reward, inference, *_, actor = groups
+                if cfg.agent.tools:
+                    beside = dataclasses.replace(rollout.placement, component="tool")
+                    tools = ToolWorker.launch(cluster, beside, cfg, run_dir=str(work_dir), host_with=rollout)
+                    held.append(tools)  # released with the others
                 receivers = [rollout, inference] if cfg.recompute_old_logprobs() else [rollout]
                 sync_weights(actor, receivers, check=False)
                 chain(groups, min(batches), None)  # warm-up: first calls allocate, import and connect

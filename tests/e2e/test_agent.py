@@ -5,19 +5,21 @@ back, and write on; the actor trains only the tokens the model wrote."""
 import json
 
 import pytest
+import yaml
 
 from m2flow import config as C
+from m2flow.api import train as api_train
 from m2flow.flows.reasoning import train
 
 TOOL_TRACE_TOKENS = 44  # <calc>37+45</calc><result>82</result>82 and eos, with room
 
 
-def run(cluster, tmp_path, name, *overrides):
+def run(cluster, tmp_path, name, *overrides, trainer=train):
     base = [f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.trace=false", "run.steps=2",
             "run.eval_every=2", "data.eval_size=40", "data.train_size=2000", "sft.steps=300", "sft.batch_size=64",
             "rollout.prompts_per_step=8", "rollout.n=4", f"rollout.max_new_tokens={TOOL_TRACE_TOKENS}",
             "cluster.placement=rollout,reward,inference,actor: 0-1:0"]
-    train(C.load(C.ReasoningConfig, None, base + list(overrides)), cluster)
+    trainer(C.load(C.ReasoningConfig, None, base + list(overrides)), cluster=cluster)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -65,3 +67,17 @@ def test_an_agent_run_in_the_pipelined_plan_resumes_as_an_uninterrupted_run(clus
     for a, b in zip(full, parted):
         for k in ("reward/mean", "agent/calls", "actor/tool_token_frac", "actor/pg_loss", "actor/grad_norm"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k, a[k], b[k])
+
+
+def test_auto_mode_profiles_the_rollout_with_its_tool_calls_and_places_the_tools_beside_the_reward(cluster, tmp_path):
+    """`cluster.placement=auto` with tools: the profiler's rollout calls the tool component (in its process, as a
+    collocated plan has it), so the rollout's measured times include the waits for the answers; the tool component
+    takes no device, and the chosen plan puts it beside the reward."""
+    rows = run(cluster, tmp_path, "auto", "agent.tools={calc: calc}", "cluster.placement=auto", "run.eval_every=0",
+               trainer=api_train)
+    details = json.loads((tmp_path / "auto" / "profile_details.json").read_text())
+    assert {c["devices"] for c in details["tool_calls"]} == {1, 2}
+    assert all(c["calls"] >= 0.5 * c["batch"] and c["seconds"] > 0 for c in details["tool_calls"]), details["tool_calls"]
+    plan = yaml.safe_load((tmp_path / "auto" / "plan.yaml").read_text())
+    assert plan["placement"]["tool"] == plan["placement"]["reward"], plan
+    assert all(r["agent/calls"] >= 0.5 and r["agent/ok"] >= 0.8 * r["agent/calls"] for r in rows), rows
