@@ -208,8 +208,13 @@ def parse_overrides(overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}' conflicts with an earlier override of '{part}'")
-        node[parts[-1]] = value
+        node[parts[-1]] = Replaces(value) if isinstance(value, dict) else value
     return out
+
+
+class Replaces(dict):
+    """A mapping written as an override's value (`agent.tools={}`): it replaces the mapping underneath, where the
+    mappings that dotted keys build merge into it."""
 
 
 def _scalar(raw: str) -> Any:
@@ -228,10 +233,13 @@ def _scalar(raw: str) -> Any:
 
 
 def merge(base: dict, extra: dict) -> dict:
-    """Recursive dict merge; `extra` wins."""
+    """Recursive dict merge; `extra` wins (a `Replaces` mapping replaces, whole)."""
     out = dict(base)
     for k, v in extra.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        if isinstance(v, Replaces):
+            out[k] = dict(v)
+        else:
+            out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 

@@ -41,6 +41,7 @@ PLOTS = {
     "step_seconds": ["time/step", "time/rollout", "time/weight_sync"],
     "idle": ["time/idle_fraction"],
     "heldout_accuracy": ["eval/pass@1"],
+    "tool_calls": ["agent/calls", "agent/ok"],  # agent.tools: calls per response, and those the tool answered
 }
 
 

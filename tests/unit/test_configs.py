@@ -47,3 +47,14 @@ def test_every_preset_loads_and_builds_its_plan(preset):
         make_plan(cfg.cluster.placement, 2, components, 64, 32)
     if cls is C.ReasoningConfig:  # from random weights the reward stays 0: a warm start or a model of the user's
         assert cfg.sft.steps > 0 or cfg.model.path, f"{preset}: neither sft.steps nor model.path"
+
+
+def test_a_mapping_given_as_an_override_replaces_the_presets_where_dotted_keys_merge():
+    """`agent.tools={}` turns a preset's tools off (a mapping value replaces, whole); `agent.tools.py=python` adds one
+    tool to the preset's."""
+    assert C.load(C.ReasoningConfig, "agent_calc").agent.tools == {"calc": "calc"}
+    off = C.load(C.ReasoningConfig, "agent_calc", ["agent.tools={}"])
+    assert off.agent.tools == {} and "tool" not in off.cluster.placement
+    assert C.load(C.ReasoningConfig, "agent_calc", ["agent.tools={py: python}"]).agent.tools == {"py": "python"}
+    assert C.load(C.ReasoningConfig, "agent_calc", ["agent.tools.py=python"]).agent.tools == {"calc": "calc",
+                                                                                             "py": "python"}
