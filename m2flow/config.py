@@ -237,9 +237,11 @@ def merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():
         if isinstance(v, Replaces):
-            out[k] = dict(v)
+            out[k] = merge({}, v)
+        elif isinstance(v, dict):  # plain dicts all the way down
+            out[k] = merge(out[k] if isinstance(out.get(k), dict) else {}, v)
         else:
-            out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+            out[k] = v
     return out
 
 

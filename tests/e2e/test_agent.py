@@ -82,16 +82,3 @@ def test_auto_mode_profiles_the_rollout_with_its_tool_calls_and_places_the_tools
     assert plan["placement"]["tool"] == plan["placement"]["reward"], plan
     assert all(r["agent/calls"] >= 0.5 and r["agent/ok"] >= 0.8 * r["agent/calls"] for r in rows), rows
 
-
-def test_grpo_steps_raise_how_often_the_model_calls_the_calculator_and_gets_the_answer(cluster, tmp_path):
-    """A warm start that has half learnt the format (185 SFT steps: about 40% of its responses call the calculator,
-    and those are mostly right; the others answer in the model's head, mostly wrong): a few GRPO steps raise the
-    calls and the reward together, because calling is what earns it."""
-    rows = run(cluster, tmp_path, "learn", "agent.tools={calc: calc}", "sft.steps=185", "run.steps=10",
-               "run.eval_every=0", "rollout.n=8", "actor.lr=1e-3")
-    calls, reward = [r["agent/calls"] for r in rows], [r["reward/mean"] for r in rows]
-    print("calls per response", [round(c, 2) for c in calls], "reward", [round(x, 2) for x in reward])
-    first, last = slice(0, 3), slice(-3, None)
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    assert mean(calls[last]) > mean(calls[first]) + 0.15, calls
-    assert mean(reward[last]) > mean(reward[first]) + 0.1, reward
