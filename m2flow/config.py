@@ -593,9 +593,6 @@ class ReasoningConfig:
         if self.agent.tools and self.rollout.engine != "native":
             raise ConfigError("agent.tools: multi-turn rollouts with tools need rollout.engine=native, "
                               f"got '{self.rollout.engine}'")
-        if self.agent.tools and alg.name == "ppo":
-            raise ConfigError("agent.tools: tool calls are trained with GRPO-style advantages; the PPO critic does "
-                              "not mask tool answers yet: use algorithm.name=grpo")
         if alg.behaviour_weight_cap < 1.0:
             raise ConfigError(f"algorithm.behaviour_weight_cap must be >= 1, got {alg.behaviour_weight_cap}")
         if alg.max_staleness and alg.old_logprobs == "recompute":

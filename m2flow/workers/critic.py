@@ -73,7 +73,8 @@ class CriticWorker(Worker):
         batch = Batch.concat(shares, pad_value={"input_ids": self.pad_id})
         # a share of weight 0 is a filler row: its rank got no sample of this step (a step smaller than the group)
         real = torch.cat([torch.full((len(s),), s.meta.get("weight", 1) != 0) for s in shares])
-        mask = batch["response_mask"].float() * real[:, None]
+        # multi-turn (agent.tools): the model's tokens only; GAE steps over the tools' answers, no value loss on them
+        mask = batch["loss_mask" if "loss_mask" in batch else "response_mask"].float() * real[:, None]
         with self.device_phase("values", step), torch.no_grad():
             passes, _ = self._passes(batch)
             old = torch.cat([self.model(m.tensors) for m in passes])[: len(batch)] * mask
@@ -94,7 +95,7 @@ class CriticWorker(Worker):
                                              (ret - old).square() * mask, real.float())
         var_r, var_e = r2 / max(n, 1) - (r / max(n, 1)) ** 2, e2 / max(n, 1) - (e / max(n, 1)) ** 2
         return self._train(batch, mask, step) | {
-            "critic/samples": int(rows), "critic/value_mean": v / max(n, 1), "critic/return_mean": r / max(n, 1),
+            "critic/samples": int(rows), "critic/tokens": int(n), "critic/value_mean": v / max(n, 1), "critic/return_mean": r / max(n, 1),
             "critic/advantage_std": std, "critic/explained_var": 1 - var_e / var_r if var_r > 0 else 0.0}
 
     def _passes(self, batch: Batch) -> tuple[list[Batch], int]:

@@ -82,3 +82,17 @@ def test_auto_mode_profiles_the_rollout_with_its_tool_calls_and_places_the_tools
     assert plan["placement"]["tool"] == plan["placement"]["reward"], plan
     assert all(r["agent/calls"] >= 0.5 and r["agent/ok"] >= 0.8 * r["agent/calls"] for r in rows), rows
 
+
+
+def test_ppo_with_a_critic_trains_an_agent_on_the_models_tokens(cluster, tmp_path):
+    """`algorithm.name=ppo` with tools: the critic values the model's tokens only (GAE steps over the tools' answers,
+    unit-tested in test_algorithms_advantages.py), and the run trains on as GRPO's does."""
+    rows = run(cluster, tmp_path, "ppo", "agent.tools={calc: calc}", "algorithm.name=ppo", "algorithm.advantage=gae",
+               "critic.lr=5e-4", "run.eval_every=0")
+    for r in rows:
+        assert r["agent/calls"] >= 0.5 and 0.3 < r["actor/tool_token_frac"] < 0.6, r
+        assert r["critic/samples"] == 32 and r["critic/vf_loss"] >= 0 and r["critic/grad_norm"] > 0, r
+        # the tokens it valued are the model's: the responses' tokens less the tools' share of them
+        written = r["response/length_mean"] * 32
+        assert r["critic/tokens"] == pytest.approx(written * (1 - r["actor/tool_token_frac"]), rel=0.1), r
+        assert r["critic/tokens"] < 0.75 * written and r["reward/mean"] > 0, r

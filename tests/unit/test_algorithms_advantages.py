@@ -314,3 +314,21 @@ def test_response_gae_runs_backwards_over_each_response_from_its_last_token():
     # gamma = lam = 1 (the reasoning default): every token's return is the response's score
     _, ret1 = response_gae(scores, values, mask)
     torch.testing.assert_close(ret1, token_rewards(scores, mask).sum(1, keepdim=True) * mask)
+
+
+def test_response_gae_skips_the_tokens_a_tool_wrote():
+    """A multi-turn response masked 0 where a tool's answer was inserted: GAE runs over the model's tokens only, each
+    bootstrapping from the model's next token, exactly as over the same response with the tool's tokens cut out;
+    nothing lands on the tool's tokens."""
+    from m2flow.algorithms import response_gae
+
+    gapped = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0], [0, 0, 1, 1, 1, 1, 0, 0]], dtype=torch.float32)
+    values = torch.tensor([[9, 0.1, 0.2, 7, 7, 0.3, 0.4, 9], [9, 9, 0.5, 0.6, 0.7, 0.8, 9, 9]])
+    scores = torch.tensor([1.0, 0.5])
+    adv, ret = response_gae(scores, values, gapped, gamma=0.9, lam=0.8)
+    cut = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8]])
+    want_adv, want_ret = response_gae(scores, cut, torch.ones(2, 4), gamma=0.9, lam=0.8)
+    keep = gapped.bool()
+    torch.testing.assert_close(adv[keep], want_adv.flatten())
+    torch.testing.assert_close(ret[keep], want_ret.flatten())
+    assert adv[~keep].abs().sum() == 0 and ret[~keep].abs().sum() == 0
