@@ -117,8 +117,7 @@ class Cluster:
         self._locks: dict[int, DeviceLock] = {}
         self.reuse_processes = reuse_processes
         self.max_idle_processes = max_idle_processes
-        self._idle: dict[tuple, list] = {}  # (node id, GPU ids, role) -> idle worker processes (actor handles)
-        self._kept: list[tuple] = []  # (key, actor) of every idle process, oldest first
+        self._kept: list[tuple] = []  # ((node id, GPU ids, role), actor handle) of every idle process, oldest first
         self._roles: dict = {}  # actor id -> (component, rank) of the role a worker process was started for
         self.devices: list[Device] = []
         self.nodes: list[dict] = []
@@ -164,12 +163,11 @@ class Cluster:
 
     def take_idle_process(self, key: tuple, role: tuple[str, int]):
         """An idle worker process kept under `key` (see `keep_idle_process`) that was started for `role`, or None."""
-        idle = self._idle.get((*key, role))
-        if not idle:
-            return None
-        actor = idle.pop()
-        self._kept = [(k, a) for k, a in self._kept if a is not actor]
-        return actor
+        full = (*key, role)
+        for i in range(len(self._kept) - 1, -1, -1):  # the newest kept first
+            if self._kept[i][0] == full:
+                return self._kept.pop(i)[1]
+        return None
 
     def keep_idle_process(self, key: tuple, actor) -> None:
         """Keep a worker process that no group uses any more, for the next group launched under `key` in the role it
@@ -179,13 +177,9 @@ class Cluster:
         if not self.reuse_processes or role is None or self.max_idle_processes < 1:
             self.end_process(actor)
             return
-        full = (*key, role)
-        self._idle.setdefault(full, []).append(actor)
-        self._kept.append((full, actor))
+        self._kept.append(((*key, role), actor))
         while len(self._kept) > self.max_idle_processes:
-            old_key, old = self._kept.pop(0)
-            self._idle[old_key].remove(old)
-            self.end_process(old)
+            self.end_process(self._kept.pop(0)[1])
 
     def end_process(self, actor) -> None:
         """Kill a worker process (already gone is fine) and forget its role."""
@@ -198,14 +192,13 @@ class Cluster:
     @property
     def idle_processes(self) -> int:
         """How many idle worker processes are kept for reuse."""
-        return sum(len(v) for v in self._idle.values())
+        return len(self._kept)
 
     def shutdown(self) -> None:
         """Stop Ray if this Cluster started it (a joined or pre-initialized Ray is left running, less the idle
         worker processes this Cluster kept)."""
         for _, actor in self._kept:
             self.end_process(actor)
-        self._idle.clear()
         self._kept.clear()
         self._locks.clear()
         if self._started and ray.is_initialized():

@@ -208,8 +208,8 @@ def test_ray_names_every_worker_process_by_its_role(cluster):
 
 
 def test_at_most_max_idle_processes_are_kept_the_oldest_ended_first(cluster):
-    saved = cluster.max_idle_processes, cluster._idle, cluster._kept
-    cluster.max_idle_processes, cluster._idle, cluster._kept = 1, {}, []  # the suite's idle processes set aside
+    saved = cluster.max_idle_processes, cluster._kept
+    cluster.max_idle_processes, cluster._kept = 1, []  # the suite's idle processes set aside
     try:
         first = Asker.launch(cluster, parse_placement("older: 0-1", cluster.num_devices, ["older"])["older"])
         pids = first.pid().wait()
@@ -219,7 +219,7 @@ def test_at_most_max_idle_processes_are_kept_the_oldest_ended_first(cluster):
     finally:
         for _, actor in cluster._kept:
             cluster.end_process(actor)
-        cluster.max_idle_processes, cluster._idle, cluster._kept = saved
+        cluster.max_idle_processes, cluster._kept = saved
 
 
 def test_remote_exception_names_component_rank_and_traceback(calc):
