@@ -208,7 +208,7 @@ def run_trl(args, out: Path, model_path: str) -> dict:
         num_generations=cfg.rollout.n, max_completion_length=cfg.rollout.max_new_tokens, shuffle_dataset=False,
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
         learning_rate=actor.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=actor.weight_decay,
-        max_grad_norm=actor.grad_clip, optim="adamw_torch",
+        max_grad_norm=actor.grad_clip, optim="adamw_torch_fused",
         loss_type="dapo", scale_rewards="group", num_iterations=1, epsilon=alg.clip_low, epsilon_high=alg.clip_high,
         beta=alg.kl_coef, use_bias_correction_kl=False,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,

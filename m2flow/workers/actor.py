@@ -65,8 +65,9 @@ class ActorWorker(PublishesWeights, Worker):
             self.init_process_group("nccl" if where == "cuda" else "gloo")
             shard_model(self.model, where)
         self.key = self.rank if self.world_size > 1 else None  # data-parallel ranks read their own share
+        # fused: one kernel for all parameters (TRL's default too); FSDP2's DTensor shards keep the foreach kernels
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, betas=tuple(a.betas), eps=a.eps,
-                                           weight_decay=a.weight_decay)
+                                           weight_decay=a.weight_decay, fused=not self.sharded)
         total = cfg.run.steps * a.mini_batches * a.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(a.lr_schedule, a.warmup_steps, total))
         self.kl = get_kl_estimator(cfg.algorithm.kl_estimator) if cfg.algorithm.kl_coef > 0 else None

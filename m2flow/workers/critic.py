@@ -55,7 +55,7 @@ class CriticWorker(Worker):
             shard_model(self.model, next(self.model.parameters()).device.type)
         self.key = self.rank if self.sharded else None  # sharded ranks read their own share
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=tuple(cfg.actor.betas),
-                                           eps=cfg.actor.eps, weight_decay=c.weight_decay)
+                                           eps=cfg.actor.eps, weight_decay=c.weight_decay, fused=not self.sharded)
         self.pad_id = load_tokenizer(model_path).pad_token_id
         if not self.sharded:  # context switching moves plain tensors; sharded (DTensor) state stays put
             self.register_offloadable("model", self.model)
