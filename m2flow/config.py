@@ -503,6 +503,12 @@ class SFTConfig:
     steps: int = opt(0, "supervised warm-start steps on the task's reference answers before RL (0: none)")
     batch_size: int = opt(64, "SFT batch size")
     lr: float = opt(3e-3, "SFT learning rate (cosine decay)")
+    tool_fraction: float = opt(1.0, "with a calc tool (agent.tools): the share of the warm start's references that "
+                                    "call it; the others answer directly (a seeded draw per problem)")
+
+    def validate(self, where: str) -> None:
+        if not 0.0 <= self.tool_fraction <= 1.0:
+            raise ConfigError(f"{where}.tool_fraction must be in [0, 1], got {self.tool_fraction}")
 
 
 def refill_reward_ranks(cfg, ranks: int) -> None:

@@ -3,6 +3,7 @@ supervised warm start (SFT) on the task's reference answers. Used by the flows, 
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -32,25 +33,32 @@ def sft_model(model_path: str, out: str, cfg, progress: bool = True) -> list[flo
     """Fine-tune `model_path` on the train split's reference answers; writes an HF directory to `out`."""
     from m2flow.engines.hf import load_model
     from m2flow.engines.train import sft
-    from m2flow.workloads.reasoning.tasks import task_records
 
     torch.manual_seed(cfg.run.seed)
     model, tok = load_model(model_path), load_tokenizer(model_path)
-    records = task_records(cfg.data, cfg.run.seed, "train")
-    pairs = [(r["prompt"], reference(r, cfg.agent.tools)) for r in records]
-    losses = sft(model, tok, pairs, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
+    losses = sft(model, tok, sft_pairs(cfg), steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
                  seed=cfg.run.seed, progress=progress)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return losses
 
 
-def reference(record: dict, tools: dict) -> str:
-    """The response SFT teaches for a record: its solution; with a calculator among the agent's tools and a record
-    that has an `expression` (arithmetic), a tool-use trace that asks the calculator, reads its result and answers
-    (`<calc>37+45</calc><result>82</result>82`), so that RL starts from a model that knows the format."""
+def sft_pairs(cfg) -> list[tuple[str, str]]:
+    """(prompt, reference response) of every training problem; with a calc tool, a seeded `sft.tool_fraction` of the
+    references call it and the others answer directly."""
+    from m2flow.workloads.reasoning.tasks import task_records
+
+    draw = random.Random(cfg.run.seed)
+    return [(r["prompt"], reference(r, cfg.agent.tools, draw.random() < cfg.sft.tool_fraction))
+            for r in task_records(cfg.data, cfg.run.seed, "train")]
+
+
+def reference(record: dict, tools: dict, use_tool: bool = True) -> str:
+    """The response SFT teaches for a record: its solution; with a calculator among the agent's tools, a record
+    that has an `expression` (arithmetic) and `use_tool`, a tool-use trace that asks the calculator, reads its result
+    and answers (`<calc>37+45</calc><result>82</result>82`), so that RL starts from a model that knows the format."""
     calc = next((name for name, spec in tools.items() if spec == "calc"), None)
     answer = str(record.get("solution", record["answer"]))
-    if calc is None or "expression" not in record:
+    if calc is None or "expression" not in record or not use_tool:
         return answer
     return tool_trace(calc, record["expression"], str(record["answer"]))
