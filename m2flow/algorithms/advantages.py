@@ -78,11 +78,11 @@ def response_gae(scores: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.
     tokens are the steps, each bootstrapping from the value at the model's next token, as if the tools' tokens were
     not there (they are the environment's answer, not actions)."""
     m = mask.float()
-    if bool((m[:, 1:] > m[:, :-1]).sum(1).gt(1).any()):  # a row whose mask starts more than once: pack, then put back
+    ends = m.bool() & ~torch.cat([m[:, 1:], m.new_zeros(m.shape[0], 1)], 1).bool()
+    if bool(ends.sum(1).gt(1).any()):  # a row whose mask has gaps (several runs): pack each row, then put back
         order = torch.argsort(1 - m, dim=1, stable=True)  # each row's masked columns first, in order
         adv, ret = response_gae(scores, values.gather(1, order), m.gather(1, order), gamma, lam)
         return torch.zeros_like(adv).scatter(1, order, adv), torch.zeros_like(ret).scatter(1, order, ret)
-    ends = m.bool() & ~torch.cat([m[:, 1:], m.new_zeros(m.shape[0], 1)], 1).bool()
     v = (values * m).T
     adv, ret = gae(token_rewards(scores, m).T, v, ends.T, torch.zeros_like(ends.T),
                    shift_values(v, v.new_zeros(v.shape[1])), gamma=gamma, lam=lam)

@@ -95,7 +95,8 @@ class CriticWorker(Worker):
                                              (ret - old).square() * mask, real.float())
         var_r, var_e = r2 / max(n, 1) - (r / max(n, 1)) ** 2, e2 / max(n, 1) - (e / max(n, 1)) ** 2
         return self._train(batch, mask, step) | {
-            "critic/samples": int(rows), "critic/tokens": int(n), "critic/value_mean": v / max(n, 1), "critic/return_mean": r / max(n, 1),
+            "critic/samples": int(rows), "critic/tokens": int(n), "critic/value_mean": v / max(n, 1),
+            "critic/return_mean": r / max(n, 1),
             "critic/advantage_std": std, "critic/explained_var": 1 - var_e / var_r if var_r > 0 else 0.0}
 
     def _passes(self, batch: Batch) -> tuple[list[Batch], int]:
