@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--profile", required=True, help="profile JSON (m2flow profile output, or hand-made)")
     pl.add_argument("--devices", type=int, required=True, help="devices of the cluster to plan for")
     pl.add_argument("--batch", type=int, default=None, help="samples per step (default: the profile's)")
+    pl.add_argument("--max-staleness", type=int, default=0, metavar="N",
+                    help="the run's algorithm.max_staleness: with N >= 1 generation overlaps training where the "
+                         "rollout has devices of its own (default 0: on-policy)")
     pl.add_argument("--out", default=None, help="folder for plan_<N>dev.yaml and the predicted timeline PNG")
     pl.add_argument("--top", type=int, default=10, help="candidates to list")
 
@@ -175,9 +178,13 @@ def cmd_profile(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from m2flow.config import UserError
     from m2flow.scheduler.search import plan_command
 
-    print(plan_command(args.profile, args.devices, args.out, batch=args.batch, top=args.top))
+    if args.max_staleness < 0:
+        raise UserError(f"--max-staleness must be >= 0 (0: on-policy), got {args.max_staleness}")
+    print(plan_command(args.profile, args.devices, args.out, batch=args.batch, top=args.top,
+                       staleness=args.max_staleness))
     return 0
 
 

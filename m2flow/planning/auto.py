@@ -54,11 +54,13 @@ class AutoPlan(ExecutionPlan):
                 "breakdown": self.breakdown}
 
 
-def flow_plans(profile: Profile, num_devices: int, group: int, top: int = 10, offload: bool = False) -> SearchResult:
+def flow_plans(profile: Profile, num_devices: int, group: int, top: int = 10, offload: bool = False,
+               staleness: int = 0) -> SearchResult:
     """The plans the reasoning flow can run, fastest first: the search's candidates with micro-batches of whole
     prompt groups (`group` = rollout.n samples), placed one process per component; those that offload only with
-    `offload` (`cluster.offload` true or auto: the flow then context-switches the components sharing a device)."""
-    result = search(profile, num_devices, top=1 << 30, components=list(profile.stages))
+    `offload` (`cluster.offload` true or auto: the flow then context-switches the components sharing a device).
+    `staleness`: algorithm.max_staleness, whose overlap of generation with training the predictions include."""
+    result = search(profile, num_devices, top=1 << 30, components=list(profile.stages), staleness=staleness)
     keep = [FlowCandidate(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)}) for c in result.candidates
             if (offload or not c.offload) and (c.micro_batch % group == 0 or c.micro_batch == result.batch)]
     collocated = next((c for c in keep if c.mode == "collocated"), None)
@@ -86,7 +88,7 @@ def auto_plan(cfg, cluster: Cluster, run_dir: str | Path) -> AutoPlan:
                              lambda path: profile_reasoning(cfg, cluster, out_path=path, run_dir=run_dir))
     offload = cfg.cluster.offload is not False
     result = flow_plans(dataclasses.replace(profile, batch=batch), cluster.num_devices, cfg.rollout.n, top=1 << 30,
-                        offload=offload)
+                        offload=offload, staleness=cfg.algorithm.max_staleness)
     _write_search(run_dir, path, result, f"{batch} samples per step", f"the reasoning flow can run (offload "
                   f"{'considered' if offload else 'off'}, micro-batches of whole groups of {cfg.rollout.n}, one "
                   f"process per component)")

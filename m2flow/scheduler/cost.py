@@ -12,7 +12,8 @@ from functools import cached_property
 
 from m2flow.scheduler.profile import ComponentInfo, Profile
 
-__all__ = ["Curve", "ComponentFit", "CostModel", "Layout", "Prediction", "Box", "phases", "predict", "schedule"]
+__all__ = ["Curve", "ComponentFit", "CostModel", "Layout", "Prediction", "Box", "phases", "predict", "overlapped",
+           "schedule"]
 
 
 # ---------------------------------------------------------------------------------------------- curves
@@ -114,12 +115,13 @@ def fit_component(profile: Profile, name: str) -> ComponentFit:
 
 
 class CostModel:
-    """All components' fits for one profile, with memoized seconds(component, batch, devices)."""
+    """All components' fits for one profile, with memoized seconds(component, batch, devices). `batch`: the samples
+    per step planned for (default: the profile's); it decides which stages wait for the whole batch (`phases`)."""
 
-    def __init__(self, profile: Profile):
+    def __init__(self, profile: Profile, batch: int | None = None):
         self.profile = profile
         self.fits = {name: fit_component(profile, name) for name in profile.stages}
-        self.head, self.tail = phases(profile)
+        self.head, self.tail = phases(profile, batch)
         self._seconds: dict[tuple, float] = {}  # memo of seconds and activation bytes
 
     def seconds(self, component: str, batch: int, devices: int) -> float:
@@ -204,14 +206,16 @@ class Layout:
         return Layout((tuple(stages),), (num_devices,))
 
 
-def phases(profile: Profile) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def phases(profile: Profile, batch: int | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(head, tail): the head streams (pipelines over micro-batches) or is the env<->rollout loop; the tail
-    starts at the first stage that needs the whole batch (streams=false) and runs once on the whole batch."""
-    stages = profile.stages
+    starts at the first stage that needs the whole batch (streams=false, or one that merges what is streamed to it
+    into passes of `batch` samples or more: it waits for the whole batch too) and runs once on the whole batch."""
+    stages, batch = profile.stages, batch or profile.batch
     if profile.loop:
         return stages[:2], stages[2:]
     for i in range(1, len(stages)):
-        if not profile.components[stages[i]].streams:
+        info = profile.components[stages[i]]
+        if not info.streams or (info.merge_samples and info.merge_samples >= batch):
             return stages[:i], stages[i:]
     return stages, ()
 
@@ -277,8 +281,9 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, env_s
                     compute += env_stages * latency
             elif c == head[0]:  # the source (rollout) runs the whole batch in one call; its outputs stream out
                 compute = model.seconds(c, batch, layout.devices(c)) / waves
-            else:
-                compute = model.seconds(c, size, layout.devices(c))
+            else:  # a component that merges micro-batches into passes of `merged` samples: its share of one pass
+                merged = min(batch, max(size, fit[c].info.merge_samples))
+                compute = model.seconds(c, merged, layout.devices(c)) * size / merged
             # chain stages that share a pipelined group's devices alternate every micro-batch
             per_turn = offload and not p.loop and len(members) > 1
             work.append((c, compute, fit[c].switch_seconds if per_turn else 0.0))
@@ -376,7 +381,7 @@ class Prediction:
 
 
 def predict(model: CostModel, layout: Layout, batch: int | None = None, micro_batch: int | None = None,
-            env_stages: int = 1, offload: bool = False) -> Prediction:
+            env_stages: int = 1, offload: bool = False, staleness: int = 0) -> Prediction:
     """Predict one training step.
 
     Head (streaming stages): one group -> its components add up on the whole batch; several groups -> a pipeline
@@ -385,6 +390,8 @@ def predict(model: CostModel, layout: Layout, batch: int | None = None, micro_ba
     offloading). Env<->rollout loop on different devices with S stages: max(S*env, S*rollout, env+rollout+transfer
     +split latency) at batch/S; on the same devices they take turns: S*(env + rollout + shared latency) at batch/S.
     Then once-per-step work, switches, the tail stages on the whole batch one after another, weight sync.
+    `staleness` (the flow's algorithm.max_staleness) >= 1: generation of the next steps overlaps this one wherever the
+    source has devices of its own (`overlapped`); the saving is a negative part of the breakdown.
     """
     batch = batch or model.profile.batch
     micro_batch = micro_batch or batch
@@ -431,9 +438,28 @@ def predict(model: CostModel, layout: Layout, batch: int | None = None, micro_ba
     if t.sync:
         parts.append(("weight sync", t.sync))
     seconds = sum(s for _, s in parts)
+    if staleness and not model.profile.loop:
+        steady = overlapped(model, layout, batch, micro_batch, offload, seconds, staleness)
+        if steady < seconds - 1e-12:
+            parts.append((f"overlap with the next steps' generation (max_staleness {staleness})", steady - seconds))
+            seconds = steady
     top = max(busy, key=busy.__getitem__)
     bottleneck = "context switch" if switch > busy[top] else top
     return Prediction(seconds, parts, busy, t.peak_bytes, not t.reason, t.reason, bottleneck)
+
+
+def overlapped(model: CostModel, layout: Layout, batch: int, micro_batch: int, offload: bool, seconds: float,
+               staleness: int) -> float:
+    """A step in the steady state of bounded off-policy training (max_staleness = `staleness` >= 1), given the
+    on-policy step's `seconds`: the source's devices generate the next steps' samples while the other devices train
+    on this step's, so a step takes the busiest device group's work (its boxes in `schedule`, a box on every group
+    counting on each), but no less than `seconds / (staleness + 1)`: generating step k + staleness + 1 waits for the
+    weights step k trains. One group (collocated) gains nothing: its components take turns."""
+    busy = [0.0] * len(layout.groups)
+    for box in schedule(model, layout, batch, micro_batch, 1, offload):
+        for lane in range(len(busy)) if box.lane is None else (box.lane,):
+            busy[lane] += box.end - box.start
+    return max(max(busy), seconds / (staleness + 1))
 
 
 # ---------------------------------------------------------------------------------------------- schedule

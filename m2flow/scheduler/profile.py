@@ -43,6 +43,10 @@ class ComponentInfo:
     onload_seconds: float = 0.0  # moving it back
     streams: bool = True  # can start on a micro-batch before the whole batch arrived (actor: 1 mini-batch, 1 epoch)
     fixed_seconds: float = 0.0  # once-per-step work not tied to samples, e.g. the actor's optimizer step
+    # samples per pass when the component merges the micro-batches streamed to it into larger passes (the actor:
+    # `actor.micro_batch_tokens` over the padded row width); 0: each micro-batch is its own pass. A merge of the
+    # whole batch or more makes the component wait for the whole batch (a tail stage)
+    merge_samples: int = 0
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,8 @@ class Profile:
                 offload_seconds=r.number(c, "offload_seconds", where, default=0.0),
                 onload_seconds=r.number(c, "onload_seconds", where, default=0.0),
                 streams=r.boolean(c, "streams", where, default=True),
-                fixed_seconds=r.number(c, "fixed_seconds", where, default=0.0))
+                fixed_seconds=r.number(c, "fixed_seconds", where, default=0.0),
+                merge_samples=r.integer(c, "merge_samples", where, default=0))
 
         rows = data["measurements"]
         if not isinstance(rows, list):

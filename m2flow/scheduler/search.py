@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from m2flow.scheduler.cost import CostModel, Layout, Prediction, phases, predict
+from m2flow.scheduler.cost import CostModel, Layout, Prediction, predict
 from m2flow.scheduler.profile import Profile
 
 __all__ = ["Candidate", "SearchResult", "search", "device_splits", "micro_batch_sizes", "plan_command"]
@@ -202,7 +202,7 @@ def micro_batch_sizes(batch: int) -> list[int]:
 def _layouts(profile: Profile, num_devices: int, model: CostModel, batch: int):
     """Yield every layout to evaluate: contiguous groupings of all stages on disjoint devices, and hybrids that
     pipeline the head on disjoint devices and run the tail stages on all devices."""
-    head, tail = phases(profile)
+    head, tail = model.head, model.tail
 
     def work(group):
         return sum(model.seconds(c, batch, num_devices) * num_devices for c in group)
@@ -218,10 +218,11 @@ def _layouts(profile: Profile, num_devices: int, model: CostModel, batch: int):
 
 
 def search(profile: Profile, num_devices: int, top: int = 10, components: list[str] | None = None,
-           batch: int | None = None) -> SearchResult:
+           batch: int | None = None, staleness: int = 0) -> SearchResult:
     """Find the fastest plans for `num_devices` devices (any number: planning beyond the profiled machine uses the
     scaling rules of the cost model). `components`: the names the flow places (default: the profile's stages);
-    `batch`: samples per step (default: the profile's)."""
+    `batch`: samples per step (default: the profile's); `staleness`: the flow's algorithm.max_staleness (>= 1:
+    generation overlaps training where the source has devices of its own, see cost.overlapped)."""
     start = time.perf_counter()
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
@@ -229,8 +230,8 @@ def search(profile: Profile, num_devices: int, top: int = 10, components: list[s
         raise ValueError(f"components {sorted(components)} differ from the profile's stages {list(profile.stages)} "
                          f"({profile.source})")
     batch = batch or profile.batch
-    model = CostModel(profile)
-    head, _ = phases(profile)
+    model = CostModel(profile, batch)
+    head = model.head
     micro = micro_batch_sizes(batch)
     feasible: list[Candidate] = []
     evaluated = infeasible = 0
@@ -244,7 +245,7 @@ def search(profile: Profile, num_devices: int, top: int = 10, components: list[s
         else:
             grains = [(m, 1) for m in micro] if pipelined else [(batch, 1)]
         for (m, s), offload in itertools.product(grains, (False, True) if shares else (False,)):
-            pred = predict(model, layout, batch, m, s, offload)
+            pred = predict(model, layout, batch, m, s, offload, staleness)
             evaluated += 1
             if not pred.feasible:
                 infeasible += 1
@@ -268,13 +269,15 @@ def search(profile: Profile, num_devices: int, top: int = 10, components: list[s
 
 
 def plan_command(profile_path: str | Path, devices: int, out_dir: str | Path | None = None, batch: int | None = None,
-                 top: int = 10) -> str:
+                 top: int = 10, staleness: int = 0) -> str:
     """`m2flow plan --profile P.json --devices N`: search, write plan YAML + timeline PNG (to `out_dir`, default
     the profile's folder), and return the text to print."""
     from m2flow.scheduler.timeline import plot_predicted
 
     profile = Profile.load(profile_path)
-    result = search(profile, devices, top=top, batch=batch)
+    if staleness < 0:
+        raise ValueError(f"--max-staleness must be >= 0, got {staleness}")
+    result = search(profile, devices, top=top, batch=batch, staleness=staleness)
     best = result.best
     out = Path(out_dir) if out_dir is not None else Path(profile_path).parent
     out.mkdir(parents=True, exist_ok=True)
@@ -287,7 +290,9 @@ def plan_command(profile_path: str | Path, devices: int, out_dir: str | Path | N
     lines = [
         f"profile {profile_path}: {profile.flow} flow, stages {' -> '.join(profile.stages)}, "
         f"profiled on {m.devices} x {m.kind} ({m.memory_bytes / 1e9:.3g} GB each)",
-        f"planning for {devices} device(s), {result.batch} samples per step: {result.evaluated} plans predicted, "
+        f"planning for {devices} device(s), {result.batch} samples per step"
+        + (f", generation up to {staleness} step(s) ahead (max_staleness)" if staleness else "")
+        + f": {result.evaluated} plans predicted, "
         f"{result.infeasible} did not fit in memory, in {result.seconds:.2f} s",
         "",
         result.table(),
@@ -308,8 +313,8 @@ def plan_command(profile_path: str | Path, devices: int, out_dir: str | Path | N
 
 def _extrapolation_notes(profile: Profile, c: Candidate) -> list[str]:
     """Components whose per-device batch in the chosen plan lies outside the measured range."""
-    model = CostModel(profile)
-    head, _ = phases(profile)
+    model = CostModel(profile, c.batch)
+    head = model.head
     notes = []
     for name in profile.stages:
         d = c.layout.devices(name)

@@ -22,7 +22,7 @@ def plot_predicted(profile: Profile, candidate, path: str | Path, compare=None) 
     from matplotlib.figure import Figure  # no pyplot: no global state, the Agg canvas is used for savefig
     from matplotlib.patches import Patch
 
-    model = CostModel(profile)
+    model = CostModel(profile, candidate.batch)
     colors = {c: colormaps["tab10"](i % 10) for i, c in enumerate(profile.stages)}
     panels = [("chosen", candidate)] + ([("collocated", compare)] if compare is not None else [])
     lanes = [len(c.layout.groups) for _, c in panels]

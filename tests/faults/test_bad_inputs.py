@@ -112,6 +112,8 @@ CASES = [
      "error: {tmp}/nope.json: no such profile file"),
     ("profile file of the wrong shape", ["plan", "--profile", "{tmp}/qa.jsonl", "--devices", "2"],
      "error: {tmp}/qa.jsonl: "),
+    ("negative staleness for a plan", ["plan", "--profile", "{tmp}/nope.json", "--devices", "2", "--max-staleness",
+                                       "-1"], "error: --max-staleness must be >= 0 (0: on-policy), got -1"),
     ("unknown command", ["fly"], "error: argument command: invalid choice: 'fly'"),
     ("train without a config", ["train"], "train: error: the following arguments are required: config"),
     ("unknown model architecture", ["init-model", "{tmp}/m", "--arch", "gpt9"],

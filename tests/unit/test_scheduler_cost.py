@@ -116,6 +116,51 @@ def test_pipeline_adds_transfer_latency_once_per_link():
     assert pred.seconds == pytest.approx(first + second + link + 3 * max(first, second))
 
 
+def with_actor(p: Profile, **changes) -> Profile:
+    return dataclasses.replace(p, components={**p.components,
+                                              "actor": dataclasses.replace(p.components["actor"], **changes)})
+
+
+def test_an_actor_merging_micro_batches_pays_per_pass_and_waits_when_a_pass_is_the_whole_batch():
+    p = load("pipeline_wins")
+    layout = Layout((("rollout",), ("actor",)), (2, 2))
+    rollout = (0.5 + 1.5625 * 128) / 16
+    # passes of 64 samples (4 micro-batches of 16): each micro-batch costs a quarter of a 64-sample pass
+    merged = predict(CostModel(with_actor(p, merge_samples=64)), layout, 256, 16)
+    actor = (0.5 + 1.5625 * 32) / 4
+    assert merged.seconds == pytest.approx(rollout + actor + 15 * max(rollout, actor))
+    assert merged.seconds < predict(CostModel(p), layout, 256, 16).seconds  # fewer, larger passes
+    # a pass of the whole batch: the actor waits for it (a tail stage), then trains it in one pass
+    whole = with_actor(p, merge_samples=300)
+    assert phases(whole) == (("rollout",), ("actor",)) and CostModel(whole).tail == ("actor",)
+    assert phases(whole, batch=512) == (("rollout", "actor"), ())  # a larger step streams again
+    pred = predict(CostModel(whole), layout, 256, 256)
+    assert pred.seconds == pytest.approx(0.5 + 1.5625 * 128 + 0.5 + 1.5625 * 128)
+
+
+def test_staleness_overlaps_generation_only_where_the_source_has_its_own_devices():
+    p = load("pipeline_wins")
+    model = CostModel(p)
+    apart = Layout((("rollout",), ("actor",)), (2, 2))
+    on = predict(model, apart, 256, 16)
+    gen, actor = 0.5 + 1.5625 * 128, 16 * (0.5 + 1.5625 * 8)  # each device group's work in one step
+    for n in (1, 2):
+        off = predict(model, apart, 256, 16, staleness=n)
+        assert off.seconds == pytest.approx(max(gen, actor, on.seconds / (n + 1)))
+        assert sum(s for _, s in off.parts) == pytest.approx(off.seconds)
+        assert off.parts[-1] == (f"overlap with the next steps' generation (max_staleness {n})",
+                                 pytest.approx(off.seconds - on.seconds))
+    # the bound: generating step k + N + 1 waits for step k's weights
+    slow_actor = with_actor(p, fixed_seconds=300.0)  # the actor's group: 208 + 300 s, the on-policy step 520.5 s
+    on_slow = predict(CostModel(slow_actor), apart, 256, 16)
+    assert predict(CostModel(slow_actor), apart, 256, 16, staleness=1).seconds == pytest.approx(actor + 300.0)
+    assert on_slow.seconds / 2 < actor + 300.0
+    # collocated (rollout and actor take turns on the same devices): nothing overlaps
+    together = Layout.collocated(p.stages, 4)
+    assert (predict(model, together, offload=True, staleness=1).seconds
+            == pytest.approx(predict(model, together, offload=True).seconds))
+
+
 def test_memory_excludes_collocation_without_offload():
     p = load("pipeline_wins")  # rollout and actor each hold 50 GB on 80 GB devices
     model = CostModel(p)

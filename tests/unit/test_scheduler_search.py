@@ -37,6 +37,19 @@ def test_pipelining_wins_when_stages_are_balanced_and_large():
     assert best.seconds < r.collocated.seconds
 
 
+def test_staleness_overlaps_generation_and_can_change_the_plan():
+    p = load("collocate_wins")
+    on, off = search(p, 4), search(p, 4, staleness=1)
+    assert on.best.mode == "collocated"
+    assert off.best.mode != "collocated" and off.best.seconds < on.best.seconds
+    assert off.collocated.seconds == pytest.approx(on.collocated.seconds)  # components taking turns overlap nothing
+    assert any("max_staleness 1" in label for label, _ in off.best.prediction.parts)
+    # with overlap, a pipeline no longer needs small micro-batches to hide its fill: one message per step wins here
+    big = search(load("pipeline_wins"), 4, staleness=1).best
+    assert big.spec == "rollout: 0-1; actor: 2-3" and big.micro_batch == 256
+    assert big.seconds == pytest.approx(0.5 + 1.5625 * 128)  # each group's work, side by side
+
+
 def test_memory_limits_exclude_plans():
     p = load("pipeline_wins")
     r = search(p, 4, top=100)

@@ -37,6 +37,17 @@ def test_plan_command_plans_64_devices_from_an_8_device_profile(tmp_path):
     assert f"timeline: {tmp_path / 'plan_64dev.png'}" in text
 
 
+def test_plan_command_with_max_staleness_predicts_the_overlap(tmp_path):
+    on = plan_command(FIXTURES / "collocate_wins.json", 4, out_dir=tmp_path / "on")
+    off = plan_command(FIXTURES / "collocate_wins.json", 4, out_dir=tmp_path / "off", staleness=1)
+    assert "generation up to 1 step(s) ahead (max_staleness)" in off and "ahead" not in on
+    assert "chosen: collocated" in on and "chosen: hybrid" in off
+    assert "overlap with the next steps' generation (max_staleness 1) -" in off  # a negative part of the breakdown
+    plan = yaml.safe_load((tmp_path / "off" / "plan_4dev.yaml").read_text())
+    assert plan["predicted_step_seconds"] < yaml.safe_load((tmp_path / "on" / "plan_4dev.yaml").read_text())[
+        "predicted_step_seconds"]
+
+
 def test_plan_command_out_dir_and_embodied(tmp_path):
     text = plan_command(FIXTURES / "embodied_hybrid.json", 4, out_dir=tmp_path / "out")
     assert "env: 0-1; rollout: 2-3; actor: all" in text and "2 env pipeline stage(s)" in text
