@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from m2flow.engines.hf import load_tokenizer
-from m2flow.runtime import Channel, Cluster, concurrent, parse_placement, running
+from m2flow.runtime import Channel, Cluster, concurrent, launch_all, parse_placement, running
 from m2flow.scheduler.profile import ComponentInfo, Machine, Measurement, Profile, Transfer, Weights
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.common import END, drain
@@ -270,6 +270,9 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
                     info["transfer"] = _transfer(reward, inp, info["items"])
                     info["switch"] = {name: _switch(g, repeats) for name, g in zip(names, groups)
                                       if name != "reward"}
+        if cfg.rollout.cohost:  # the flow's collocated plan runs every component in one process
+            info["cohosted"] = _cohosted_steps(cluster, cfg, model_path, max(devices), work_dir,
+                                               prompts[: batch // group], repeats)
     finally:
         inp.destroy()
         out.destroy()
@@ -278,15 +281,16 @@ def profile_reasoning(cfg, cluster: Cluster, batches: list[int] | tuple[int, ...
     profile = _table(cfg, cluster, rows, info, batch)
     details.update(sync_seconds=info["sync"], optimizer_seconds=info["optimizer"], call_overhead_seconds=info["rpc"],
                    rollout_first_out=info["rollout_first_out"], transfer=info["transfer"], switch=info["switch"],
-                   state_bytes=info["state"])
+                   state_bytes=info["state"], cohosted_step_seconds=info.get("cohosted", []))
     profile.save(out_path)
     profile.source = str(out_path)
     (out_path.parent / "profile_details.json").write_text(json.dumps(details, indent=1) + "\n")
     return profile
 
 
-def _launch(cluster: Cluster, cfg, model_path: str, d: int, work_dir: Path) -> list:
-    """The probe groups, one per component, each one rank over devices 0..d-1, started in parallel."""
+def _launch(cluster: Cluster, cfg, model_path: str, d: int, work_dir: Path, cohost: bool = False) -> list:
+    """The probe groups, one per component, each one rank over devices 0..d-1, started in parallel; with `cohost`,
+    every component in the rollout's process (as the flow runs a collocated plan)."""
     names = components_of(cfg)
     spec = "; ".join(f"{c}: 0" if d == 1 else f"{c}: 0-{d - 1}:0" for c in names)
     placement = parse_placement(spec, cluster.num_devices, list(names))
@@ -295,6 +299,14 @@ def _launch(cluster: Cluster, cfg, model_path: str, d: int, work_dir: Path) -> l
     kinds = {"rollout": (RolloutProbe, (cfg, model_path)), "reward": (RewardProbe, (cfg,)),
              "inference": (InferenceProbe, (cfg, model_path)), "critic": (CriticProbe, (cfg, model_path)),
              "actor": (ActorProbe, (cfg, model_path))}
+    if cohost:
+        rollout = RolloutProbe.launch(cluster, placement["rollout"], cfg, model_path, run_dir=str(work_dir))
+        try:
+            return [rollout, *launch_all(cluster, [(kinds[c][0], placement[c], kinds[c][1]) for c in names[1:]],
+                                         run_dir=str(work_dir), host_with=[rollout] * (len(names) - 1))]
+        except BaseException:
+            rollout.kill()
+            raise
     with ThreadPoolExecutor(len(names)) as pool:
         futures = [pool.submit(kinds[c][0].launch, cluster, placement[c], *kinds[c][1], run_dir=str(work_dir))
                    for c in names]
@@ -309,6 +321,42 @@ def _launch(cluster: Cluster, cfg, model_path: str, d: int, work_dir: Path) -> l
             g.kill()
         raise errors[0]
     return groups
+
+
+def _cohosted_steps(cluster: Cluster, cfg, model_path: str, d: int, work_dir: Path, prompts: list,
+                    repeats: int) -> list[float]:
+    """Seconds of whole steps on `prompts` with every component in one process over devices 0..d-1, as the flow runs
+    a collocated plan (`rollout.cohost`: stages hand over in-process, weights are published in place): the weight
+    sync, then rollout -> reward -> inference (-> critic) -> actor, stage after stage, timed by the driver. The
+    first of `repeats` + 1 steps warms up and is left out."""
+    groups = _launch(cluster, cfg, model_path, d, work_dir, cohost=True)
+    tag, batch = f"{work_dir.resolve()}:cohosted:{time.time_ns()}", len(prompts) * cfg.rollout.n
+    seconds = []
+    with running(list(groups)) as held:
+        rollout, reward, inference, *critic, actor = groups
+        tools = None
+        if cfg.agent.tools:  # in the same process, as the collocated flow hosts it
+            beside = dataclasses.replace(rollout.placement, component="tool")
+            tools = ToolWorker.launch(cluster, beside, cfg, run_dir=str(work_dir), host_with=rollout)
+            held.append(tools)
+        receivers = [rollout, inference] if cfg.recompute_old_logprobs() else [rollout]
+        # created once, as the flow does (each channel is a Ray actor, whose start would load the cores)
+        hops = [Channel.create(f"{tag}/{i}") for i in range(4 if critic else 3)]
+        try:
+            for k in range(repeats + 1):
+                t = time.perf_counter()
+                sync_weights(actor, receivers, check=False, local=True)
+                rollout.generate(prompts, hops[0], k, 1, batch, 0, tools).wait()
+                reward.score(hops[0], hops[1], k, 1).wait()
+                inference.logprobs(hops[1], hops[2], k, batch, 1).wait()
+                if critic:
+                    critic[0].values(hops[2], hops[3], k, 1, 1).wait()
+                actor.train(hops[-1], k, 1).wait()
+                seconds.append(time.perf_counter() - t)
+        finally:
+            for ch in hops:
+                ch.destroy()
+    return seconds[1:]
 
 
 def _switch(g, repeats: int) -> tuple[float, float]:
@@ -376,11 +424,17 @@ def _table(cfg, cluster: Cluster, rows: dict, info: dict, batch: int) -> Profile
         # the rollout emits its outputs in a burst at the end of its call (e.g. every request fits in the engine's
         # batch): nothing after it can overlap with it, so the rest is a tail on the whole batch
         components["reward"] = dataclasses.replace(components["reward"], streams=False)
+    scale = None
+    if info.get("cohosted"):  # a co-hosted step against the sum of the rows it is made of, at the same size
+        d = max(m.devices for m in measurements)
+        rows_at = {m.component: m.seconds for m in measurements if m.devices == d and m.batch == batch}
+        if set(rows_at) == set(names):
+            scale = statistics.median(info["cohosted"]) / (sum(rows_at.values()) + components["actor"].fixed_seconds)
     t = info["transfer"]
     return Profile(flow="reasoning", stages=names, batch=batch, machine=machine, components=components,
                    measurements=measurements,
                    transfer=Transfer(t["bytes_per_sample"], t["seconds_per_gb"], t["latency_seconds"]),
-                   weights=Weights(info["weights"], "actor", ("rollout", "inference")))
+                   weights=Weights(info["weights"], "actor", ("rollout", "inference")), cohosted_scale=scale)
 
 
 def median_rows(rows: dict[tuple[str, int, int], list[dict]], components) -> list[Measurement]:

@@ -117,6 +117,9 @@ class Profile:
     loop: tuple[str, ...] = ()
     loop_latency: LoopLatency = field(default_factory=lambda: LoopLatency())
     source: str = "<profile>"  # where it was read from, for error messages
+    # a collocated plan runs every component in one process (the reasoning flow's rollout.cohost): its step takes
+    # this share of the rows it is made of (+ once-per-step work). None: not measured, the rows as they are
+    cohosted_scale: float | None = None
 
     # -- reading and writing -------------------------------------------------------------------
     @classmethod
@@ -141,13 +144,14 @@ class Profile:
             "machine": asdict(self.machine), "transfer": asdict(self.transfer), "weights": weights,
             "components": {name: asdict(info) for name, info in self.components.items()},
             "measurements": [asdict(m) for m in self.measurements],
+            **({"cohosted_scale": self.cohosted_scale} if self.cohosted_scale is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<profile>") -> Profile:
         r = _Reader(source)
         required = {"flow", "stages", "batch", "machine", "components", "measurements"}
-        r.mapping(data, "", required | {"loop", "loop_latency", "transfer", "weights"}, required)
+        r.mapping(data, "", required | {"loop", "loop_latency", "transfer", "weights", "cohosted_scale"}, required)
         flow = r.string(data, "flow")
         stages = tuple(r.names(data, "stages"))
         if not stages:
@@ -169,6 +173,10 @@ class Profile:
         if (loop_latency.shared or loop_latency.split or loop_latency.cohosted_scale is not None) and not loop:
             r.fail("loop_latency", "is set, but the profile has no env<->rollout loop")
         batch = r.integer(data, "batch", minimum=1)
+        cohosted = r.number(data, "cohosted_scale") if "cohosted_scale" in data else None
+        if cohosted is not None and (cohosted <= 0 or loop):
+            r.fail("cohosted_scale", f"must be > 0 and only in a profile without an env<->rollout loop (embodied "
+                                     f"profiles use loop_latency.cohosted_scale), got {cohosted}")
 
         m = data["machine"]
         r.mapping(m, "machine", {"kind", "devices", "memory_bytes"}, required={"kind", "devices", "memory_bytes"})
@@ -230,7 +238,8 @@ class Profile:
         for name in stages:
             if not any(m.component == name for m in measurements):
                 r.fail("measurements", f"has no row for component {name!r}; every stage needs at least one")
-        return cls(flow, stages, batch, machine, components, measurements, transfer, weights, loop, loop_latency, source)
+        return cls(flow, stages, batch, machine, components, measurements, transfer, weights, loop, loop_latency, source,
+                   cohosted)
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -3,6 +3,7 @@ devices and trains the chosen plan; then every other plan the flow can run there
 pick the plan its cost model ranks fastest; the measured times are printed beside the predictions, not asserted
 (timings stay out of pass/fail tests: `python benchmarks/plans.py` measures how close auto's choice comes)."""
 
+import json
 import time
 from pathlib import Path
 
@@ -71,6 +72,11 @@ def test_auto_picks_the_plan_it_predicts_fastest_and_every_plan_runs(cluster, tm
         assert {m.devices for m in profile.measurements if m.component == name} == {1, 2}, name
     assert profile.components["actor"].state_bytes > 0 and profile.components["actor"].fixed_seconds > 0
     assert profile.transfer.latency_seconds > 0 and profile.transfer.bytes_per_sample > 0
+    # the actor merges streamed micro-batches into passes of micro_batch_tokens (8192) over rows of <= 72 tokens
+    assert profile.components["actor"].merge_samples >= 8192 // (64 + 8)
+    # a collocated plan runs co-hosted: whole steps timed so, against the rows they are made of
+    assert profile.cohosted_scale is not None and profile.cohosted_scale > 0
+    assert len(json.loads((run / "profile_details.json").read_text())["cohosted_step_seconds"]) == 3
     plan, plans, report = auto_outputs(run, STEPS)
     assert all(len(ranks) == 1 for ranks in plan["placement"].values())  # one process per component
     # every placement the flow can run on 2 devices, at the micro-batch the planner ranks best for it

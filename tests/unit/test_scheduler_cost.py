@@ -161,6 +161,21 @@ def test_staleness_overlaps_generation_only_where_the_source_has_its_own_devices
             == pytest.approx(predict(model, together, offload=True).seconds))
 
 
+def test_a_measured_cohosted_scale_applies_to_the_collocated_plan_only(tmp_path):
+    p = load("collocate_wins")
+    scaled = dataclasses.replace(p, cohosted_scale=0.6)
+    scaled.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json").cohosted_scale == 0.6  # saved and read back
+    together = Layout.collocated(p.stages, 4)
+    plain, co = predict(CostModel(p), together), predict(CostModel(scaled), together)
+    assert co.seconds == pytest.approx(0.6 * plain.seconds)
+    assert co.parts[0] == ("rollout (co-hosted: rows x 0.60)", pytest.approx(0.6 * 0.21))
+    assert sum(s for _, s in co.parts) == pytest.approx(co.seconds)
+    assert schedule(CostModel(scaled), together)[-1].end == pytest.approx(co.seconds)
+    apart = Layout((("rollout", "reward"), ("inference", "actor")), (2, 2))  # separate processes: the rows as they are
+    assert predict(CostModel(scaled), apart, 64, 16).seconds == pytest.approx(predict(CostModel(p), apart, 64, 16).seconds)
+
+
 def test_memory_excludes_collocation_without_offload():
     p = load("pipeline_wins")  # rollout and actor each hold 50 GB on 80 GB devices
     model = CostModel(p)
@@ -232,8 +247,9 @@ def non_streaming_actor(p: Profile) -> Profile:
 
 @st.composite
 def plans(draw):
-    name = draw(st.sampled_from(["collocate_wins", "reasoning_8xh100", "embodied_hybrid", "tail"]))
-    p = non_streaming_actor(load("reasoning_8xh100")) if name == "tail" else load(name)
+    name = draw(st.sampled_from(["collocate_wins", "reasoning_8xh100", "embodied_hybrid", "tail", "cohosted"]))
+    p = non_streaming_actor(load("reasoning_8xh100")) if name == "tail" else \
+        dataclasses.replace(load("collocate_wins"), cohosted_scale=0.6) if name == "cohosted" else load(name)
     _, tail = phases(p)
     stages = list(p.stages)
     shared = tuple(tail) if tail and draw(st.booleans()) else ()
@@ -272,6 +288,11 @@ def test_schedule_ends_at_the_predicted_step_time(plan):
         spans.sort()
         for (s0, e0), (s1, e1) in zip(spans, spans[1:]):
             assert s1 >= e0 - 1e-9
+    # generating a step ahead: never slower, never below half the on-policy step nor below any group's own work
+    ahead = predict(model, layout, p.batch, micro, env_stages, offload, staleness=1)
+    assert pred.seconds / 2 - 1e-9 <= ahead.seconds <= pred.seconds + 1e-9
+    assert ahead.seconds >= max(sum(e - s for s, e in spans) for spans in lanes.values()) - 1e-9
+    assert sum(s for _, s in ahead.parts) == pytest.approx(ahead.seconds, rel=1e-9)
 
 
 def test_components_info_defaults_are_harmless():
