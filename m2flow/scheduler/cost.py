@@ -256,8 +256,8 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, env_s
         if layout.group_of(c) not in hgroups:
             hgroups.append(layout.group_of(c))
     pipelined = len(hgroups) > 1
-    # one group, no loop: the flow runs every component in one process, measured to take `scale` of the rows
-    scale = p.cohosted_scale if p.cohosted_scale and not p.loop and len(layout.groups) == 1 and not layout.shared \
+    # one group, no loop: the flow runs every component in one process, measured to take this share of the rows
+    cohosted = p.cohosted_scale if p.cohosted_scale and not p.loop and len(layout.groups) == 1 and not layout.shared \
         else 1.0
     boundary: dict[int | None, float] = {}
     head_work: list[list[tuple[str, float, float]]] = []
@@ -290,18 +290,18 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, env_s
                 compute = model.seconds(c, merged, layout.devices(c)) * size / merged
             # chain stages that share a pipelined group's devices alternate every micro-batch
             per_turn = offload and not p.loop and len(members) > 1
-            work.append((c, compute * scale, fit[c].switch_seconds if per_turn else 0.0))
+            work.append((c, compute * cohosted, fit[c].switch_seconds if per_turn else 0.0))
             if offload and not per_turn and others_on_devices(c, p.loop or (c,)):
                 boundary[g] = boundary.get(g, 0.0) + fit[c].switch_seconds
         head_work.append(work)
-    fixed = [(c, fit[c].info.fixed_seconds * scale) for c in head if fit[c].info.fixed_seconds]
+    fixed = [(c, fit[c].info.fixed_seconds * cohosted) for c in head if fit[c].info.fixed_seconds]
 
     tail_items = []
     prev = head[-1]
     for c in tail:
         moves = layout.group_of(c) != layout.group_of(prev)
         switch = fit[c].switch_seconds if offload and others_on_devices(c, (c,)) else 0.0
-        compute = (model.seconds(c, batch, layout.devices(c)) + fit[c].info.fixed_seconds) * scale
+        compute = (model.seconds(c, batch, layout.devices(c)) + fit[c].info.fixed_seconds) * cohosted
         tail_items.append((c, p.transfer.seconds(batch) if moves else 0.0, compute, switch))
         prev = c
 
@@ -313,7 +313,7 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, env_s
         if src is not None and any(layout.group_of(c) != src for c in w.to):
             sync = p.transfer.latency_seconds + w.bytes / 1e9 * p.transfer.seconds_per_gb
 
-    terms = _Terms(hgroups, head_work, link, waves, loop, fixed, boundary, tail_items, sync, sync_group, scale=scale)
+    terms = _Terms(hgroups, head_work, link, waves, loop, fixed, boundary, tail_items, sync, sync_group, scale=cohosted)
     _memory(model, layout, terms, batch, micro_batch if pipelined else batch, env_stages, offload)
     return terms
 
