@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     i = sub.add_parser("init-model", help="write a tiny HF model directory (random weights, character tokenizer)")
     i.add_argument("out")
-    i.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    i.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen2_moe"])
     i.add_argument("--hidden", type=int, default=64)
     i.add_argument("--layers", type=int, default=2)
     i.add_argument("--seed", type=int, default=0)

@@ -304,15 +304,47 @@ def describe(cls: type, where: str = "") -> list[tuple[str, Any, str]]:
 
 
 @dataclass
+class LoRAConfig:
+    r: int = opt(0, "LoRA rank (PEFT adapters; the actor trains only them); 0: full fine-tuning")
+    alpha: float = opt(16.0, "LoRA alpha: the adapters' update is scaled by alpha / r")
+    dropout: float = opt(0.0, "dropout on the adapters' input while training")
+    target_modules: list = opt(["all-linear"], "modules to adapt, e.g. [q_proj, v_proj]; [all-linear]: every linear "
+                                               "layer but the output head")
+    sync: str = opt("adapters", "what a weight sync sends: adapters (each receiver applies them to its frozen base) "
+                                "| merged (the full merged weights)")
+
+    def validate(self, where: str) -> None:
+        if not isinstance(self.r, int) or self.r < 0:
+            raise ConfigError(f"{where}.r must be an integer >= 0 (0: no LoRA), got {self.r!r}")
+        if self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ConfigError(f"{where}.alpha must be > 0 and {where}.dropout in [0, 1), got {self.alpha} and "
+                              f"{self.dropout}")
+        if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
+            raise ConfigError(f"{where}.target_modules must be a non-empty list of module names (e.g. [q_proj, "
+                              f"v_proj], or [all-linear]), got {self.target_modules!r}")
+        if self.sync not in ("adapters", "merged"):
+            raise ConfigError(f"{where}.sync must be adapters | merged, got '{self.sync}'")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+
+@dataclass
 class ModelConfig:
     path: str = opt("", "local HF model directory (Qwen2/Llama style); empty: the flow builds a tiny model into the run dir")
     dtype: str = opt("float32", "parameter dtype: float32 | bfloat16")
     tiny_hidden: int = opt(64, "hidden size of the tiny model built when path is empty")
     tiny_layers: int = opt(2, "layers of the tiny model built when path is empty")
+    tiny_arch: str = opt("qwen2", "architecture of the tiny model built when path is empty: qwen2 | llama | qwen2_moe "
+                                  "(4 experts, 2 per token, and a shared expert)")
+    lora: LoRAConfig = section(LoRAConfig, "LoRA adapters for the actor (model.lora.r > 0)")
 
     def validate(self, where: str) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"{where}.dtype must be 'float32' or 'bfloat16', got '{self.dtype}'")
+        if self.tiny_arch not in ("qwen2", "llama", "qwen2_moe"):
+            raise ConfigError(f"{where}.tiny_arch must be qwen2 | llama | qwen2_moe, got '{self.tiny_arch}'")
 
 
 @dataclass

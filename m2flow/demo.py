@@ -57,7 +57,7 @@ def evaluate_model(path: str, cfg: C.ReasoningConfig, k: int = 8, limit: int | N
     _, test = build_datasets(cfg.data, tok, cfg.run.seed)
     items = [test[i] for i in range(len(test) if limit is None else min(limit, len(test)))]
     engine = build_engine(cfg.rollout.engine, model, tok, cfg.rollout.max_slots,
-                          cfg.data.max_prompt_len + cfg.rollout.max_new_tokens + 1)
+                          cfg.data.max_prompt_len + cfg.rollout.max_new_tokens + 1, tools=bool(cfg.agent.tools))
     name = reward_name(cfg.reward.fn, cfg.data.task)
     return evaluate(engine, tok, items, name, k=k, max_new_tokens=cfg.rollout.max_new_tokens,
                     temperature=cfg.rollout.temperature, seed=cfg.run.seed, timeout_s=reward_timeout(name, cfg.reward.timeout_s),

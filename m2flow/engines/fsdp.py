@@ -6,7 +6,7 @@ that resume on any rank count. It does not start processes or create the process
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -86,15 +86,17 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def export_hf(model: torch.nn.Module, directory: str | Path, tokenizer=None, rank: int = 0) -> None:
+def export_hf(model: torch.nn.Module, directory: str | Path, tokenizer=None, rank: int = 0,
+              items: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
     """Write a single HF model directory (config.json + model.safetensors) from a sharded or plain model. Every rank
-    must call it (the tensors are gathered); only `rank` 0 writes. Tied output embeddings are stored once."""
+    must call it (the tensors are gathered); only `rank` 0 writes. Tied output embeddings are stored once. `items`:
+    the state to write instead of the model's own (e.g. a LoRA model's, merged)."""
     from safetensors.torch import save_file
 
     config = model.config
     tied = getattr(config, "tie_word_embeddings", False)
     state = {}
-    for name, tensor in full_state_items(model):
+    for name, tensor in items if items is not None else full_state_items(model):
         if not (tied and name == "lm_head.weight"):
             state[name] = tensor.contiguous()
     if rank != 0:

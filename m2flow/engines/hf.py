@@ -17,6 +17,7 @@ from transformers import (
     LogitsProcessorList,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
 )
 from transformers.utils import logging as hf_logging
 
@@ -28,7 +29,9 @@ hf_logging.disable_progress_bar()  # no per-load/save bars in worker logs; m2flo
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0, 1, 2, 3 in every tiny tokenizer
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 
-_CONFIGS = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+_CONFIGS = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen2_moe": Qwen2MoeConfig}
+# a tiny mixture of experts: 4 routed experts, 2 per token, and a shared expert, each of twice the hidden size
+_MOE = dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -136,6 +139,8 @@ def init_tiny_model(
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
+        **(dict(_MOE, moe_intermediate_size=2 * hidden_size, shared_expert_intermediate_size=2 * hidden_size)
+           if arch == "qwen2_moe" else {}),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

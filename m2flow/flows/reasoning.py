@@ -202,7 +202,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
                     results = wait_all(handles)
                     t1 = time.perf_counter()
                     checked = cfg.rollout.checks_sync(step - start + 1)
-                    sync_weights(actor, receivers, check=checked, local=local_sync)
+                    synced = sync_weights(actor, receivers, check=checked, local=local_sync)
                     t2, w2 = time.perf_counter(), time.time()
                     spans = gather_spans(groups, clear=True)
                     trace += spans if cfg.run.trace else []
@@ -215,7 +215,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
                                   "value": last[f"time/idle/device{d}"] / (w2 - w0)} for d in devices]
                     last.update({"time/step": t2 - t0, "time/rollout": last.get("rollout/seconds", 0.0),
                                  "time/weight_sync": t2 - t1,
-                                 "sync/checked": int(checked),
+                                 "sync/checked": int(checked), "sync/bytes": synced,
                                  "throughput/tokens_per_s": last.get("rollout/tokens", 0) / (t2 - t0)})
                     every = cfg.run.eval_every and ((step + 1) % cfg.run.eval_every == 0 or step + 1 == cfg.run.steps)
                     evaluation = evaluate(step + 1) if every else None  # queued on the rollout before it generates

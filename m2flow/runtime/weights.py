@@ -28,6 +28,8 @@ class WeightsRef:
     ref: list  # [ObjectRef per bucket], wrapped in a list so Ray passes the references themselves, not their values
     digest: str | None  # state_digest of the weights; None when the sender did not ask receivers to check them
     local: str | None = None  # the publishing process (Ray worker id) when the weights stay in it; `ref` is then empty
+    kind: str = "full"  # what the tensors are: "full" (a state dict to load) or "adapters" (LoRA, to apply to a base)
+    nbytes: int = 0  # bytes of the published tensors
 
 
 _PUBLISHED: dict[int, dict[str, torch.Tensor]] = {}  # this process's in-process publication: version -> tensors
@@ -59,20 +61,23 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
 
 
 def publish(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
-            bucket_bytes: int = BUCKET_BYTES, digest: bool = True, local: bool = False) -> WeightsRef:
+            bucket_bytes: int = BUCKET_BYTES, digest: bool = True, local: bool = False,
+            kind: str = "full") -> WeightsRef:
     """Put a state dict into the object store in buckets of about `bucket_bytes`; receivers on the same node read
     them zero-copy, others get them moved by Ray (one copy per node: a broadcast). `state` may be a dict or an
     iterator of (name, tensor) in sorted name order, e.g. tensors gathered one at a time from a sharded model.
     `digest=False`: no hash of the bytes (it costs a pass over every weight on sender and receivers alike).
     `local=True`: every receiver runs in this process; it keeps the tensors themselves (the latest publication only)
-    and receivers copy from them: do not change them until the receivers have loaded."""
+    and receivers copy from them: do not change them until the receivers have loaded. `kind`: what receivers do
+    with them (see WeightsRef)."""
     items = sorted(state.items()) if isinstance(state, dict) else state
-    h, refs, arrays, dtypes, size, last = hashlib.sha1(), [], {}, {}, 0, None
+    h, refs, arrays, dtypes, size, last, total = hashlib.sha1(), [], {}, {}, 0, None, 0
     kept: dict[str, torch.Tensor] = {}
     for name, tensor in items:
         if last is not None and name <= last:
             raise ValueError(f"publish: tensors must come in sorted name order; {name!r} came after {last!r}")
         last = name
+        total += tensor.numel() * tensor.element_size()
         if digest:
             _hash_into(h, name, tensor)
         if local:
@@ -86,10 +91,10 @@ def publish(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     if local:
         _PUBLISHED.clear()
         _PUBLISHED[version] = kept
-        return WeightsRef(version, [], h.hexdigest() if digest else None, local=_process_id())
+        return WeightsRef(version, [], h.hexdigest() if digest else None, local=_process_id(), kind=kind, nbytes=total)
     if arrays or not refs:
         refs.append(ray.put((arrays, dtypes)))
-    return WeightsRef(version, refs, h.hexdigest() if digest else None)
+    return WeightsRef(version, refs, h.hexdigest() if digest else None, kind=kind, nbytes=total)
 
 
 def _buckets(weights: WeightsRef) -> Iterator[dict[str, torch.Tensor]]:
@@ -126,6 +131,9 @@ def loaded_digest(module: torch.nn.Module, weights: WeightsRef) -> str | None:
 @torch.no_grad()
 def load_into(module: torch.nn.Module, weights: WeightsRef) -> None:
     """Copy published weights into `module`'s existing parameters and buffers in place, one bucket at a time."""
+    if weights.kind != "full":
+        raise ValueError(f"weights v{weights.version} are {weights.kind}, not a state dict: this receiver cannot load "
+                         f"them (LoRA adapters need model.lora on the receiver's side too)")
     own = dict(module.state_dict())
     loaded: set[str] = set()
     for bucket in _buckets(weights):

@@ -27,10 +27,11 @@ from m2flow.engines.fsdp import (
     shard_model,
 )
 from m2flow.engines.hf import load_model, load_tokenizer
+from m2flow.engines.lora import adapter_items, add_lora, merged_items, save_adapter
 from m2flow.engines.train import token_logprobs, token_logprobs_and_entropy
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
-from m2flow.runtime.weights import publish
+from m2flow.runtime.weights import publish, state_digest
 from m2flow.types import Batch
 from m2flow.workers.common import drain
 from m2flow.workers.guards import check_weight_growth, first_nonfinite, nonfinite_update, sum_of_squares
@@ -56,6 +57,9 @@ class ActorWorker(PublishesWeights, Worker):
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=getattr(torch, cfg.model.dtype)).train()
+        self.lora = cfg.model.lora if cfg.model.lora.r else None
+        # LoRA: adapters injected into the model in place, every other weight frozen; the optimizer gets only them
+        self.peft = add_lora(self.model, self.lora) if self.lora else None
         self.sharded = a.backend == "fsdp2"
         if self.world_size > 1 and not self.sharded:
             raise ValueError(f"actor.backend=torch trains on one rank, but the placement gives the actor "
@@ -66,7 +70,8 @@ class ActorWorker(PublishesWeights, Worker):
             shard_model(self.model, where)
         self.key = self.rank if self.world_size > 1 else None  # data-parallel ranks read their own share
         # fused: one kernel for all parameters (TRL's default too); FSDP2's DTensor shards keep the foreach kernels
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, betas=tuple(a.betas), eps=a.eps,
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=a.lr, betas=tuple(a.betas), eps=a.eps,
                                            weight_decay=a.weight_decay, fused=not self.sharded)
         total = cfg.run.steps * a.mini_batches * a.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(a.lr_schedule, a.warmup_steps, total))
@@ -331,12 +336,30 @@ class ActorWorker(PublishesWeights, Worker):
         part, and publishes them in buckets), with their digest when the receivers' copies are to be `check`ed;
         other ranks return None. `local`: every receiver lives in rank 0's process (co-hosted): no object store."""
         with self.holding("publish", self.version):
-            items = full_state_items(self.model) if self.sharded else self.model.state_dict()
-            if self.rank == 0:
+            adapters = self.lora and self.lora.sync == "adapters"  # the receivers apply them to their frozen base
+            items = self._state_items(merged=not adapters)
+            if adapters:
+                if not check:
+                    items = adapter_items(items)
+                else:  # the digest of the merged weights, which the receivers must then hold bit for bit
+                    state = dict(items)
+                    digest = state_digest(dict(merged_items(sorted(state.items()), self.lora.scaling)))
+                    items = adapter_items(sorted(state.items()))
+                if self.rank == 0:
+                    ref = publish(items, self.version, digest=False, local=local, kind="adapters")
+                    ref.digest = digest if check else None
+                    return ref
+            elif self.rank == 0:
                 return publish(items, self.version, digest=check, local=local)
             for _ in items:
                 pass
             return None
+
+    def _state_items(self, merged: bool = False):
+        """The state as (name, tensor) in sorted order, a sharded model's gathered one tensor at a time; `merged`:
+        a LoRA model's as the plain model's (adapters merged into the weights)."""
+        items = full_state_items(self.model) if self.sharded else iter(sorted(self.model.state_dict().items()))
+        return merged_items(items, self.lora.scaling) if merged and self.lora else items
 
     def save_checkpoint(self, directory: str) -> None:
         """Under `directory`: `actor_dcp/` (model + optimizer as a distributed checkpoint, one shard file per rank,
@@ -345,7 +368,14 @@ class ActorWorker(PublishesWeights, Worker):
         d = Path(directory)
         with self.holding("checkpoint", self.version):
             save_sharded(self.model, self.optimizer, d / "actor_dcp")
-            export_hf(self.model, d / "model", self.tokenizer, self.rank)
+            export_hf(self.model, d / "model", self.tokenizer, self.rank, items=self._state_items(merged=True))
+            if self.lora:  # the adapters alone too, as a PEFT adapter directory
+                items = self._state_items()
+                if self.rank == 0:
+                    save_adapter(self.peft, items, d / "adapter")
+                else:
+                    for _ in items:
+                        pass
         if self.rank == 0:
             torch.save({"scheduler": self.scheduler.state_dict(), "version": self.version,
                         "torch_rng": torch.get_rng_state(), "world_size": self.world_size}, d / "actor_state.pt")

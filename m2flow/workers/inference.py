@@ -11,9 +11,10 @@ import torch
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.engines.train import collate, token_logprobs
 from m2flow.runtime import Worker
-from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
+from m2flow.runtime.weights import WeightsRef, loaded_digest
 from m2flow.types import Batch
 from m2flow.workers.common import drain, finish, route
+from m2flow.workers.sync import adapter_receiver, load_policy
 
 
 def groups_to_batch(groups: list[dict], pad_id: int) -> Batch:
@@ -61,6 +62,7 @@ class InferenceWorker(Worker):
         kl = cfg.algorithm.kl_coef > 0
         model = load_model(model_path, dtype=getattr(torch, cfg.model.dtype)).eval() if self.recompute or kl else None
         self.model = model if self.recompute else None
+        self.adapters = adapter_receiver(cfg)  # LoRA adapter syncs: the frozen base they are applied to
         # the reference policy is the initial model, frozen: only needed for a KL penalty
         self.ref = (copy.deepcopy(model) if self.recompute else model) if kl else None
         if self.model is not None:
@@ -107,5 +109,5 @@ class InferenceWorker(Worker):
             raise RuntimeError("inference: load_weights() called, but this worker holds no policy copy "
                                "(old logprobs come from the rollout); the flow syncs only the workers that need it")
         with self.device_phase("weight_sync", weights.version):  # the digest too: with offload the model is off after
-            load_into(self.model, weights)
+            load_policy(self.model, weights, self.adapters)
             return loaded_digest(self.model, weights)

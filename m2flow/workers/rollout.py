@@ -5,25 +5,38 @@ prompt group to its output channel. It does not score or train.
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
 from m2flow.engines.base import SamplingParams
 from m2flow.engines.hf import HFEngine, load_model, load_tokenizer
 from m2flow.runtime import Worker
-from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
+from m2flow.runtime.weights import WeightsRef, loaded_digest
 from m2flow.workers.common import finish
+from m2flow.workers.sync import adapter_receiver, load_policy
 from m2flow.workloads.reasoning.rewards import completion_text
 from m2flow.workloads.reasoning.tasks import reward_name, reward_timeout
 from m2flow.workloads.reasoning.tools import AgentHook, Toolbox, final_answer
 
 
-def build_engine(kind: str, model, tokenizer, max_slots: int, max_len: int):
-    """The generation engine named by `rollout.engine`."""
+def build_engine(kind: str, model, tokenizer, max_slots: int, max_len: int, tools: bool = False):
+    """The generation engine named by `rollout.engine`. The native engine runs Qwen2 and Llama models; for any other
+    (e.g. a mixture of experts) HF `generate` takes over, with a warning, unless multi-turn tool rollouts (`tools`)
+    need the native engine's stop-and-resume."""
     if kind == "native":
-        from m2flow.engines.native import NativeEngine
+        from m2flow.engines.native import SUPPORTED_MODEL_TYPES, NativeEngine
 
-        return NativeEngine(model, max_slots=max_slots, max_len=max_len)
+        model_type = model.config.model_type
+        if model_type in SUPPORTED_MODEL_TYPES:
+            return NativeEngine(model, max_slots=max_slots, max_len=max_len)
+        if tools:
+            raise ValueError(f"rollout.engine=native runs {', '.join(SUPPORTED_MODEL_TYPES)} models, not "
+                             f"{model_type!r}, and agent.tools needs it: multi-turn tool rollouts cannot fall back "
+                             f"to HF generate")
+        warnings.warn(f"rollout.engine=native runs {', '.join(SUPPORTED_MODEL_TYPES)} models; this one is "
+                      f"{model_type!r}: generating with HF generate instead (set rollout.engine=hf to say so)",
+                      stacklevel=2)
     return HFEngine(model, tokenizer)
 
 
@@ -42,8 +55,10 @@ class RolloutWorker(Worker):
         self.cfg = cfg
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=getattr(torch, cfg.model.dtype)).eval()
+        self.adapters = adapter_receiver(cfg)  # LoRA adapter syncs: the frozen base they are applied to
         max_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens + 1
-        self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, cfg.rollout.max_slots, max_len)
+        self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, cfg.rollout.max_slots, max_len,
+                                   tools=bool(cfg.agent.tools))
         self.version = 0
         self.register_offloadable("model", self.model)
         self.agent = agent_hook(cfg.agent, self.tokenizer)  # multi-turn: the engine feeds back tool answers
@@ -95,7 +110,8 @@ class RolloutWorker(Worker):
             flush()
         finish(out, consumers)
         metrics = {"rollout/tokens": tokens, "rollout/seconds": seconds,
-                   "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
+                   "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+                   "rollout/native_engine": int(not isinstance(self.engine, HFEngine))}
         if self.agent:  # per response: tool calls written, and how each call went
             counts, responses = self.agent.take_counts(), len(prompts) * r.n
             metrics.update({f"agent/{k}": counts.get(k, 0) / responses for k in
@@ -117,7 +133,7 @@ class RolloutWorker(Worker):
         """Copy the actor's published weights into the engine's model in place; returns their digest (None when not
         checked)."""
         with self.device_phase("weight_sync", weights.version):  # the digest too: with offload the model is off after
-            load_into(self.model, weights)
+            load_policy(self.model, weights, self.adapters)
             self.version = weights.version
             return loaded_digest(self.model, weights)
 

@@ -5,20 +5,26 @@ from __future__ import annotations
 
 import time
 
+from m2flow.engines.lora import AdapterReceiver
 from m2flow.runtime import Handle, wait_all
+from m2flow.runtime.weights import WeightsRef, fetch, load_into
 
 
-def sync_weights(actor, receivers, check: bool, local: bool = False, per_rank: bool = False) -> None:
+def sync_weights(actor, receivers, check: bool, local: bool = False, per_rank: bool = False) -> int:
     """`actor` (a group, or `group.on([0])` when one rank's weights are everyone's) publishes its weights once (rank 0,
     gathered from every rank if sharded); every rank of every receiver group loads them in place, and when `check`ed
     must then hold them bit for bit. `local`: every receiver lives in the publishing process (co-hosted), so the
-    weights stay in it; with `per_rank`, see `start_sync`."""
+    weights stay in it; with `per_rank`, see `start_sync`. Returns the bytes published (LoRA adapters only, with
+    model.lora.sync: adapters)."""
     if local:  # one call into that process publishes and loads: no Ray round trip per receiver group
-        finish_sync(start_sync(actor, receivers, check, per_rank), check)
-        return
+        pushed = [p for p in start_sync(actor, receivers, check, per_rank).wait() if p is not None]
+        for version, digest, digests, *_ in pushed:
+            _verify(version, digest, digests, check)
+        return pushed[0][4]
     weights = actor.publish_weights(check).wait()[0]
     _verify(weights.version, weights.digest, [d for h in wait_all([g.load_weights(weights) for g in receivers])
                                               for d in h], check)
+    return weights.nbytes
 
 
 def start_sync(actor, receivers, check: bool, per_rank: bool = False) -> Handle:
@@ -33,7 +39,7 @@ def start_sync(actor, receivers, check: bool, per_rank: bool = False) -> Handle:
 def finish_sync(handle: Handle, check: bool) -> float:
     """Wait for a `start_sync`; returns the seconds the sync took in its process (the slowest, per rank)."""
     pushed = [p for p in handle.wait() if p is not None]
-    for version, digest, digests, _ in pushed:
+    for version, digest, digests, *_ in pushed:
         _verify(version, digest, digests, check)
     return max(p[3] for p in pushed)
 
@@ -49,8 +55,8 @@ class PublishesWeights:
 
     def push_weights(self, receivers, check: bool, per_rank: bool = False) -> tuple | None:
         """Publish in this process and load into `receivers` (groups co-hosted here, so their calls run here; with
-        `per_rank` only their rank of this rank's number) -> (version, digest, the receivers' digests, seconds);
-        None on ranks that publish nothing (a sharded actor's other ranks)."""
+        `per_rank` only their rank of this rank's number) -> (version, digest, the receivers' digests, seconds,
+        bytes published); None on ranks that publish nothing (a sharded actor's other ranks)."""
         start = time.perf_counter()
         weights = self.publish_weights(check, local=True)
         if weights is None:
@@ -58,4 +64,21 @@ class PublishesWeights:
         if per_rank:
             receivers = [g.on([self.rank]) for g in receivers]
         digests = [d for h in wait_all([g.load_weights(weights) for g in receivers]) for d in h]
-        return weights.version, weights.digest, digests, time.perf_counter() - start
+        return weights.version, weights.digest, digests, time.perf_counter() - start, weights.nbytes
+
+
+def adapter_receiver(cfg) -> AdapterReceiver | None:
+    """What a policy copy (rollout, inference) needs to take adapter-only syncs: model.lora on, sync: adapters."""
+    lora = cfg.model.lora
+    return AdapterReceiver(lora.scaling) if lora.r and lora.sync == "adapters" else None
+
+
+def load_policy(model, weights: WeightsRef, adapters: AdapterReceiver | None) -> None:
+    """Load the actor's published weights into a policy copy in place: a state dict, or LoRA adapters applied to the
+    frozen base that `adapters` keeps."""
+    if weights.kind == "adapters":
+        if adapters is None:
+            raise ValueError(f"weights v{weights.version} are LoRA adapters, but this receiver keeps no base for them")
+        adapters.apply(model, fetch(weights))
+    else:
+        load_into(model, weights)

@@ -38,6 +38,11 @@ def model(tiny_dir):
     return load_model(tiny_dir)
 
 
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return init_tiny_model(tmp_path_factory.mktemp("tiny") / "moe", arch="qwen2_moe", seed=0)
+
+
 def _prompts(tok):
     return [tok(p)["input_ids"] for p in ("12+34=", "5*6=", "1234567+89=")]  # different lengths: left padding
 
@@ -45,7 +50,7 @@ def _prompts(tok):
 # ---------------------------------------------------------------------------------------------- model directory
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2_moe"])
 def test_tiny_model_dir_round_trips(tmp_path, arch):
     d = init_tiny_model(tmp_path / arch, arch=arch, hidden_size=32, num_heads=4, num_kv_heads=2)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
@@ -246,10 +251,13 @@ def _groups(seed: int, prompts: int, max_n: int, vocab: int = 50) -> list:
     return out
 
 
-def test_prompts_shared_in_one_pass_give_the_plain_logprobs_entropy_and_gradients(model):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_moe"])
+def test_prompts_shared_in_one_pass_give_the_plain_logprobs_entropy_and_gradients(arch, request):
     """Groups of responses to one prompt (prompts of 1..7 tokens, empty responses among them): forwarding each distinct
     prompt once and the responses against its cached keys/values gives the plain pass's logprobs, entropy and
-    gradients (to float rounding), and sends fewer tokens through the model: the shared part once per prompt."""
+    gradients (to float rounding), and sends fewer tokens through the model: the shared part once per prompt. A
+    mixture of experts too (its router picks experts per token, whichever pass the token is in)."""
+    model = request.getfixturevalue("model") if arch == "qwen2" else load_model(request.getfixturevalue("moe_dir"))
     samples = _groups(seed=0, prompts=6, max_n=5)
     batch = collate(samples, pad_id=0)
     seen = []
@@ -334,3 +342,15 @@ def test_sft_lowers_loss_on_arithmetic(model, tok):
     assert len(losses) == 60 and time.time() - start < 60
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.5 * first, (first, last)
+
+
+def test_the_native_engine_hands_a_mixture_of_experts_to_hf_generate(moe_dir):
+    """The native engine runs dense Qwen2 and Llama: for another model HF generate takes over with a warning, except
+    where multi-turn tool rollouts need the native engine (an error naming why)."""
+    from m2flow.workers.rollout import build_engine
+
+    model, tok = load_model(moe_dir).eval(), load_tokenizer(moe_dir)
+    with pytest.warns(UserWarning, match="this one is 'qwen2_moe': generating with HF generate instead"):
+        assert isinstance(build_engine("native", model, tok, 64, 32), HFEngine)
+    with pytest.raises(ValueError, match="agent.tools needs it: multi-turn tool rollouts cannot fall back"):
+        build_engine("native", model, tok, 64, 32, tools=True)

@@ -20,7 +20,8 @@ def prepare_model(cfg, run_path: Path) -> str:
 
         path = str(run_path / "init_model")
         if not (Path(path) / "config.json").exists():
-            init_tiny_model(path, hidden_size=cfg.model.tiny_hidden, num_layers=cfg.model.tiny_layers, seed=cfg.run.seed)
+            init_tiny_model(path, arch=cfg.model.tiny_arch, hidden_size=cfg.model.tiny_hidden,
+                            num_layers=cfg.model.tiny_layers, seed=cfg.run.seed)
     if cfg.sft.steps > 0:
         out = run_path / "sft_model"
         if not (out / "config.json").exists():
