@@ -4,7 +4,8 @@ m2flow.algorithms), publishes its weights, and saves/loads checkpoints. It does 
 With one mini-batch and one epoch the update streams: streamed micro-batches are merged until they fill a pass
 (`actor.micro_batch_tokens`) and each pass's gradient is accumulated the moment it is full, so training overlaps
 rollout when the plan pipelines them and passes stay large when messages are small. With `actor.backend: fsdp2`
-the model is sharded over the actor's ranks (FSDP2) and each rank trains on its share of every micro-batch.
+the model is sharded over the actor's ranks (FSDP2) and each rank trains on its share of every micro-batch. With
+`model.lora.r` the model carries PEFT adapters and only they train (`m2flow/engines/lora.py`).
 """
 
 from __future__ import annotations
@@ -363,8 +364,9 @@ class ActorWorker(PublishesWeights, Worker):
 
     def save_checkpoint(self, directory: str) -> None:
         """Under `directory`: `actor_dcp/` (model + optimizer as a distributed checkpoint, one shard file per rank,
-        loadable on any rank count), `model/` (a single HF model directory) and `actor_state.pt` (scheduler,
-        version, RNG). Every rank must call it."""
+        loadable on any rank count), `model/` (a single HF model directory; with LoRA the merged model, and
+        `adapter/` the adapters as a PEFT directory) and `actor_state.pt` (scheduler, version, RNG). Every rank must
+        call it."""
         d = Path(directory)
         with self.holding("checkpoint", self.version):
             save_sharded(self.model, self.optimizer, d / "actor_dcp")
