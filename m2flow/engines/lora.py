@@ -112,8 +112,3 @@ def save_adapter(peft_model, items: Iterable[tuple[str, torch.Tensor]], director
     peft_model.peft_config[ADAPTER].save_pretrained(str(out))
     state = {f"base_model.model.{n.replace(f'.{ADAPTER}.', '.')}": t.contiguous() for n, t in adapter_items(items)}
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-
-
-def adapter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the trainable (adapter) parameters."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -19,7 +19,7 @@ from m2flow import config as C
 from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
 from m2flow.flows.outputs import RunDir, idle_metrics, offload_metrics, progress, run_dir_claimed
-from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, running, wait_all
+from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, launch_cohosted, running, wait_all
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import ExecutionPlan, make_plan
@@ -72,16 +72,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
              *([(CriticWorker, plan["critic"], (cfg, model_path))] if "critic" in names else []),
              (ActorWorker, plan["actor"], (cfg, model_path)),
              *([(ToolWorker, plan["tool"], (cfg,))] if "tool" in names else [])]
-    if cohost:
-        (rollout,) = launch_all(cluster, specs[:1], run_dir=str(run.path))
-        try:
-            groups = [rollout, *launch_all(cluster, specs[1:], run_dir=str(run.path),
-                                           host_with=[rollout] * (len(specs) - 1))]
-        except BaseException:
-            rollout.kill()
-            raise
-    else:
-        groups = launch_all(cluster, specs, run_dir=str(run.path))
+    groups = (launch_cohosted if cohost else launch_all)(cluster, specs, run_dir=str(run.path))
     by_name = dict(zip(names, groups))
     rollout, reward, inference, actor = (by_name[c] for c in COMPONENTS)
     critic = by_name.get("critic")  # PPO: values the tokens between inference and actor

@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from m2flow.engines.hf import load_tokenizer
-from m2flow.runtime import Channel, Cluster, concurrent, launch_all, parse_placement, running
+from m2flow.runtime import Channel, Cluster, concurrent, launch_cohosted, parse_placement, running
 from m2flow.scheduler.profile import ComponentInfo, Machine, Measurement, Profile, Transfer, Weights
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.common import END, drain
@@ -300,13 +300,8 @@ def _launch(cluster: Cluster, cfg, model_path: str, d: int, work_dir: Path, coho
              "inference": (InferenceProbe, (cfg, model_path)), "critic": (CriticProbe, (cfg, model_path)),
              "actor": (ActorProbe, (cfg, model_path))}
     if cohost:
-        rollout = RolloutProbe.launch(cluster, placement["rollout"], cfg, model_path, run_dir=str(work_dir))
-        try:
-            return [rollout, *launch_all(cluster, [(kinds[c][0], placement[c], kinds[c][1]) for c in names[1:]],
-                                         run_dir=str(work_dir), host_with=[rollout] * (len(names) - 1))]
-        except BaseException:
-            rollout.kill()
-            raise
+        specs = [(kinds[c][0], placement[c], kinds[c][1]) for c in names]
+        return launch_cohosted(cluster, specs, run_dir=str(work_dir))
     with ThreadPoolExecutor(len(names)) as pool:
         futures = [pool.submit(kinds[c][0].launch, cluster, placement[c], *kinds[c][1], run_dir=str(work_dir))
                    for c in names]

@@ -2,8 +2,8 @@
 
 from .channel import Channel, ChannelClosed, ChannelItemLost, ChannelTimeout
 from .cluster import Cluster, Device
-from .group import (Group, Handle, Worker, WorkerError, concurrent, gather_spans, launch_all, release_all, running,
-                    wait_all)
+from .group import (Group, Handle, Worker, WorkerError, concurrent, gather_spans, launch_all, launch_cohosted,
+                    release_all, running, wait_all)
 from .lock import DeviceLock
 from .offload import offload_state, onload_state
 from .placement import ComponentPlacement, Placement, PlacementError, parse_placement
@@ -12,7 +12,7 @@ from .tracer import Tracer, busy_seconds, plot_timeline, write_chrome_trace
 __all__ = [
     "Channel", "ChannelClosed", "ChannelItemLost", "ChannelTimeout",
     "Cluster", "Device", "Group", "Handle", "Worker", "WorkerError", "concurrent", "gather_spans", "launch_all",
-    "release_all", "running", "wait_all", "DeviceLock",
+    "launch_cohosted", "release_all", "running", "wait_all", "DeviceLock",
     "offload_state", "onload_state", "ComponentPlacement", "Placement", "PlacementError", "parse_placement",
     "Tracer", "busy_seconds", "plot_timeline", "write_chrome_trace",
 ]

@@ -523,6 +523,17 @@ def launch_all(cluster: Cluster, specs: Sequence[tuple], run_dir: str | None = N
     return groups
 
 
+def launch_cohosted(cluster: Cluster, specs: Sequence[tuple], run_dir: str | None = None) -> list["Group"]:
+    """Launch `specs[0]`, then every other group co-hosted in its processes (`launch_all(..., host_with=...)`);
+    if any fails, all are killed and the error is raised."""
+    (first,) = launch_all(cluster, specs[:1], run_dir=run_dir)
+    try:
+        return [first, *launch_all(cluster, specs[1:], run_dir=run_dir, host_with=[first] * (len(specs) - 1))]
+    except BaseException:
+        first.kill()
+        raise
+
+
 class Group:
     """All ranks of one component. `group.method(*args)` calls it on every rank and returns a Handle;
     `group.on(ranks)` selects ranks; `group.call_per_rank(method, [args_rank0, args_rank1, ...])`."""

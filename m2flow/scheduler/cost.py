@@ -444,7 +444,7 @@ def predict(model: CostModel, layout: Layout, batch: int | None = None, micro_ba
         parts.append(("weight sync", t.sync))
     seconds = sum(s for _, s in parts)
     if staleness and not model.profile.loop:
-        steady = overlapped(model, layout, batch, micro_batch, offload, seconds, staleness)
+        steady = overlapped(len(layout.groups), _boxes(model, layout, t), seconds, staleness)
         if steady < seconds - 1e-12:
             parts.append((f"overlap with the next steps' generation (max_staleness {staleness})", steady - seconds))
             seconds = steady
@@ -453,15 +453,15 @@ def predict(model: CostModel, layout: Layout, batch: int | None = None, micro_ba
     return Prediction(seconds, parts, busy, t.peak_bytes, not t.reason, t.reason, bottleneck)
 
 
-def overlapped(model: CostModel, layout: Layout, batch: int, micro_batch: int, offload: bool, seconds: float,
-               staleness: int) -> float:
+def overlapped(groups: int, boxes: list[Box], seconds: float, staleness: int) -> float:
     """A step in the steady state of bounded off-policy training (max_staleness = `staleness` >= 1), given the
-    on-policy step's `seconds`: the source's devices generate the next steps' samples while the other devices train
-    on this step's, so a step takes the busiest device group's work (its boxes in `schedule`, a box on every group
-    counting on each), but no less than `seconds / (staleness + 1)`: generating step k + staleness + 1 waits for the
-    weights step k trains. One group (collocated) gains nothing: its components take turns."""
-    busy = [0.0] * len(layout.groups)
-    for box in schedule(model, layout, batch, micro_batch, 1, offload):
+    on-policy step's `seconds` and its `schedule` boxes on `groups` device groups: the source's devices generate the
+    next steps' samples while the other devices train on this step's, so a step takes the busiest device group's work
+    (a box on every group counting on each), but no less than `seconds / (staleness + 1)`: generating step
+    k + staleness + 1 waits for the weights step k trains. One group (collocated) gains nothing: its components take
+    turns."""
+    busy = [0.0] * groups
+    for box in boxes:
         for lane in range(len(busy)) if box.lane is None else (box.lane,):
             busy[lane] += box.end - box.start
     return max(max(busy), seconds / (staleness + 1))
@@ -488,7 +488,11 @@ def schedule(model: CostModel, layout: Layout, batch: int | None = None, micro_b
     micro-batch starts on a group when the group is free and the previous group has finished it (+ transfer)."""
     batch = batch or model.profile.batch
     micro_batch = micro_batch or batch
-    t = _terms(model, layout, batch, micro_batch, env_stages, offload)
+    return _boxes(model, layout, _terms(model, layout, batch, micro_batch, env_stages, offload))
+
+
+def _boxes(model: CostModel, layout: Layout, t: _Terms) -> list[Box]:
+    """`schedule`'s boxes from a step's terms."""
     boxes: list[Box] = []
     now = 0.0
     if t.loop:

@@ -340,15 +340,14 @@ class ActorWorker(PublishesWeights, Worker):
             adapters = self.lora and self.lora.sync == "adapters"  # the receivers apply them to their frozen base
             items = self._state_items(merged=not adapters)
             if adapters:
-                if not check:
-                    items = adapter_items(items)
-                else:  # the digest of the merged weights, which the receivers must then hold bit for bit
-                    state = dict(items)
-                    digest = state_digest(dict(merged_items(sorted(state.items()), self.lora.scaling)))
-                    items = adapter_items(sorted(state.items()))
+                digest = None
+                if check:  # the digest of the merged weights, which the receivers must then hold bit for bit
+                    items = list(items)
+                    digest = state_digest(dict(merged_items(items, self.lora.scaling)))
+                items = adapter_items(items)
                 if self.rank == 0:
                     ref = publish(items, self.version, digest=False, local=local, kind="adapters")
-                    ref.digest = digest if check else None
+                    ref.digest = digest
                     return ref
             elif self.rank == 0:
                 return publish(items, self.version, digest=check, local=local)

@@ -17,10 +17,7 @@ def sync_weights(actor, receivers, check: bool, local: bool = False, per_rank: b
     weights stay in it; with `per_rank`, see `start_sync`. Returns the bytes published (LoRA adapters only, with
     model.lora.sync: adapters)."""
     if local:  # one call into that process publishes and loads: no Ray round trip per receiver group
-        pushed = [p for p in start_sync(actor, receivers, check, per_rank).wait() if p is not None]
-        for version, digest, digests, *_ in pushed:
-            _verify(version, digest, digests, check)
-        return pushed[0][4]
+        return _pushed(start_sync(actor, receivers, check, per_rank), check)[0][4]
     weights = actor.publish_weights(check).wait()[0]
     _verify(weights.version, weights.digest, [d for h in wait_all([g.load_weights(weights) for g in receivers])
                                               for d in h], check)
@@ -38,10 +35,15 @@ def start_sync(actor, receivers, check: bool, per_rank: bool = False) -> Handle:
 
 def finish_sync(handle: Handle, check: bool) -> float:
     """Wait for a `start_sync`; returns the seconds the sync took in its process (the slowest, per rank)."""
+    return max(p[3] for p in _pushed(handle, check))
+
+
+def _pushed(handle: Handle, check: bool) -> list[tuple]:
+    """The publishing ranks' `push_weights` results, each checked."""
     pushed = [p for p in handle.wait() if p is not None]
     for version, digest, digests, *_ in pushed:
         _verify(version, digest, digests, check)
-    return max(p[3] for p in pushed)
+    return pushed
 
 
 def _verify(version: int, digest, digests: list, check: bool) -> None:

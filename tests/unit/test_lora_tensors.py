@@ -10,7 +10,7 @@ from peft import PeftModel
 
 from m2flow import config as C
 from m2flow.engines.hf import init_tiny_model, load_model
-from m2flow.engines.lora import AdapterReceiver, adapter_bytes, adapter_items, add_lora, merged_items, save_adapter
+from m2flow.engines.lora import AdapterReceiver, adapter_items, add_lora, merged_items, save_adapter
 from m2flow.runtime.weights import WeightsRef, load_into, state_digest
 
 
@@ -42,7 +42,6 @@ def test_only_the_adapters_train(base_dir):
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert len(trainable) == 2 * 7 * 2  # A and B of 7 linear layers in each of 2 layers (not the output head)
-    assert adapter_bytes(model) == sum(p.numel() * 4 for n, p in model.named_parameters() if p.requires_grad)
     assert type(model).__name__ == "Qwen2ForCausalLM"  # injected in place: the flow's forward code is unchanged
 
 
