@@ -333,7 +333,11 @@ class LoRAConfig:
 @dataclass
 class ModelConfig:
     path: str = opt("", "local HF model directory (Qwen2/Llama style); empty: the flow builds a tiny model into the run dir")
-    dtype: str = opt("float32", "parameter dtype: float32 | bfloat16")
+    dtype: str = opt("float32", "parameter dtype: float32 | bfloat16 (the rollout's and inference's weights; the "
+                                "actor's and critic's compute, see mixed_precision)")
+    mixed_precision: bool = opt(True, "with dtype=bfloat16: the actor and critic keep float32 master weights and "
+                                      "optimizer state and compute in bf16 (autocast), and weight syncs send the "
+                                      "weights rounded to bf16; false: they train bf16 weights directly")
     tiny_hidden: int = opt(64, "hidden size of the tiny model built when path is empty")
     tiny_layers: int = opt(2, "layers of the tiny model built when path is empty")
     tiny_arch: str = opt("qwen2", "architecture of the tiny model built when path is empty: qwen2 | llama | qwen2_moe "

@@ -29,6 +29,7 @@ from m2flow.engines.fsdp import (
 )
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.engines.lora import adapter_items, add_lora, merged_items, save_adapter
+from m2flow.engines.precision import training_precision
 from m2flow.engines.train import token_logprobs, token_logprobs_and_entropy
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
@@ -57,7 +58,9 @@ class ActorWorker(PublishesWeights, Worker):
         a = cfg.actor
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = load_tokenizer(model_path)
-        self.model = load_model(model_path, dtype=getattr(torch, cfg.model.dtype)).train()
+        # bf16 mixed precision: float32 master weights and optimizer state, bf16 compute (m2flow/engines/precision.py)
+        self.precision = training_precision(cfg.model.dtype, cfg.model.mixed_precision)
+        self.model = load_model(model_path, dtype=self.precision.weights).train()
         self.lora = cfg.model.lora if cfg.model.lora.r else None
         # LoRA: adapters injected into the model in place, every other weight frozen; the optimizer gets only them
         self.peft = add_lora(self.model, self.lora) if self.lora else None
@@ -221,7 +224,7 @@ class ActorWorker(PublishesWeights, Worker):
 
     def _logprobs(self, batch: Batch) -> torch.Tensor:
         """Token logprobs of `batch` under the current weights, no gradient, a micro-batch at a time."""
-        with torch.no_grad():  # the micro-batches share the batch's padded width
+        with torch.no_grad(), self.precision.autocast(self.model):  # the micro-batches share the batch's padded width
             return torch.cat([token_logprobs(self.model, m.tensors, self.cfg.rollout.temperature, self.share_prompts)
                               for m in self._micros(batch)])
 
@@ -269,12 +272,15 @@ class ActorWorker(PublishesWeights, Worker):
         if alg.overlong_filter and "truncated" in micro:  # DAPO: a response cut at the limit gets no gradient
             mask = overlong_filter(mask, micro["truncated"])
             extra["overlong_filtered"] = micro["truncated"].float().mean()
-        logprobs, entropy = token_logprobs_and_entropy(self.model, micro.tensors, self.cfg.rollout.temperature,
-                                                       entropy_grad=bool(alg.entropy_coef),
-                                                       share_prompts=self.share_prompts)
+        with self.precision.autocast(self.model):
+            logprobs, entropy = token_logprobs_and_entropy(self.model, micro.tensors, self.cfg.rollout.temperature,
+                                                           entropy_grad=bool(alg.entropy_coef),
+                                                           share_prompts=self.share_prompts)
         advantages = micro["advantages"]  # one per response (GRPO), or one per token (PPO's GAE)
         advantages = (advantages.view(-1, 1) if advantages.dim() == 1 else advantages) * mask
         old = micro["old_logprobs"]
+        # the engines' numerical mismatch in an on-policy step's first pass (bf16 against float32, kernels)
+        extra["logprob_diff"] = masked_mean((logprobs.detach() - old).abs(), mask)
         if self.decoupled:  # PPO clips against the proximal policy; the behaviour gap is an importance weight
             prox = micro["prox_logprobs"] if "prox_logprobs" in micro else logprobs.detach()
             weights, behaviour = behaviour_weights(prox, old, mask, alg.behaviour_weight_cap)
@@ -338,7 +344,9 @@ class ActorWorker(PublishesWeights, Worker):
         other ranks return None. `local`: every receiver lives in rank 0's process (co-hosted): no object store."""
         with self.holding("publish", self.version):
             adapters = self.lora and self.lora.sync == "adapters"  # the receivers apply them to their frozen base
-            items = self._state_items(merged=not adapters)
+            # as the receivers hold them: with bf16 mixed precision, rounded to bf16 (adapters too, so that the merged
+            # digest below is computed as each receiver merges)
+            items = self.precision.published(self._state_items(merged=not adapters))
             if adapters:
                 digest = None
                 if check:  # the digest of the merged weights, which the receivers must then hold bit for bit

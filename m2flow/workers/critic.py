@@ -15,6 +15,7 @@ from torch import nn
 from m2flow.algorithms import response_gae, value_loss
 from m2flow.engines.fsdp import all_reduce, full_tensor, load_sharded, save_sharded, shard_model
 from m2flow.engines.hf import load_model, load_tokenizer
+from m2flow.engines.precision import training_precision
 from m2flow.runtime import Worker
 from m2flow.types import Batch
 from m2flow.workers.common import drain, finish, route
@@ -48,7 +49,8 @@ class CriticWorker(Worker):
         self.cfg = cfg
         c = cfg.critic
         torch.manual_seed(cfg.run.seed + 1)
-        self.model = ValueModel(load_model(model_path, dtype=getattr(torch, cfg.model.dtype)), cfg.run.seed).train()
+        self.precision = training_precision(cfg.model.dtype, cfg.model.mixed_precision)  # as the actor's
+        self.model = ValueModel(load_model(model_path, dtype=self.precision.weights), cfg.run.seed).train()
         self.sharded = self.world_size > 1
         if self.sharded:  # every rank holds 1/world of the parameters, gradients and optimizer state
             self.init_process_group()
@@ -77,7 +79,8 @@ class CriticWorker(Worker):
         mask = batch["loss_mask" if "loss_mask" in batch else "response_mask"].float() * real[:, None]
         with self.device_phase("values", step), torch.no_grad():
             passes, _ = self._passes(batch)
-            old = torch.cat([self.model(m.tensors) for m in passes])[: len(batch)] * mask
+            with self.precision.autocast(self.model):
+                old = torch.cat([self.model(m.tensors) for m in passes])[: len(batch)] * mask
         adv, ret = response_gae(batch["rewards"], old, mask, alg.gamma, alg.lam)
         mean, std = self._moments(adv, mask)
         batch["advantages"] = (adv - mean) / (std + 1e-8) * mask  # whitened over the step's response tokens
@@ -144,8 +147,9 @@ class CriticWorker(Worker):
                     passes, own = self._passes(part)
                     for i, micro in enumerate(passes):
                         m = micro["train_mask"] * (i < own)
-                        loss, stats = value_loss(self.model(micro.tensors), micro["values"], micro["returns"], m,
-                                                 clip=c.value_clip)
+                        with self.precision.autocast(self.model):
+                            values = self.model(micro.tensors)
+                        loss, stats = value_loss(values, micro["values"], micro["returns"], m, clip=c.value_clip)
                         (loss * m.sum() / max(tokens, 1.0)).backward()  # the token mean over the mini-batch
                         losses.append(float(loss.detach()) * float(m.sum()))
                         clipfracs.append(float(stats["vf_clipfrac"]) * float(m.sum()))
