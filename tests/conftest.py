@@ -9,6 +9,18 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` need a CUDA GPU: skipped where torch sees none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """A `Cluster(cpu_devices=2)` shared by every test that needs Ray; shut down at the end of the session."""

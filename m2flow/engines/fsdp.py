@@ -54,9 +54,18 @@ def all_reduce(value: float, op: str = "sum") -> float:
     """A scalar reduced over all ranks (sum or max); the value itself when not distributed."""
     if not is_distributed():
         return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return float(t.item())
+    return float(all_reduce_tensor(torch.tensor([float(value)], dtype=torch.float64), op)[0])
+
+
+def all_reduce_tensor(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """`t` reduced elementwise over all ranks (sum or max), on `t`'s device; `t` itself when not distributed. The
+    collective runs where the backend needs it: on the current GPU under NCCL, else on the CPU."""
+    if not is_distributed():
+        return t
+    where = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    moved = t.to(where)
+    dist.all_reduce(moved, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return moved.to(t.device)
 
 
 @contextmanager
@@ -98,7 +107,7 @@ def export_hf(model: torch.nn.Module, directory: str | Path, tokenizer=None, ran
     state = {}
     for name, tensor in items if items is not None else full_state_items(model):
         if not (tied and name == "lm_head.weight"):
-            state[name] = tensor.contiguous()
+            state[name] = tensor.detach().cpu().contiguous()
     if rank != 0:
         return
     out = Path(directory)

@@ -36,7 +36,7 @@ def add_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
 
 def _merged(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     """One adapted weight, merged (what every side computes, so that their results agree bit for bit)."""
-    return base + (b.to(base.dtype) @ a.to(base.dtype)) * scaling
+    return base + (b.to(base) @ a.to(base)) * scaling  # in the base's dtype, on its device
 
 
 def merged_items(items: Iterable[tuple[str, torch.Tensor]], scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
@@ -110,5 +110,6 @@ def save_adapter(peft_model, items: Iterable[tuple[str, torch.Tensor]], director
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     peft_model.peft_config[ADAPTER].save_pretrained(str(out))
-    state = {f"base_model.model.{n.replace(f'.{ADAPTER}.', '.')}": t.contiguous() for n, t in adapter_items(items)}
+    state = {f"base_model.model.{n.replace(f'.{ADAPTER}.', '.')}": t.detach().cpu().contiguous()
+             for n, t in adapter_items(items)}
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -1,5 +1,6 @@
 """Channel: a named FIFO between processes (the driver and Ray actors): keyed sub-queues, weights, backpressure,
-timeouts, async variants. Knows nothing about RL; no torch.distributed or CUDA IPC (GPU tensors go as Ray pickles them).
+timeouts, async variants. Knows nothing about RL; no torch.distributed or CUDA IPC: a GPU tensor that leaves its
+process travels through host memory and arrives as a CPU tensor (the receiver moves it to its own device).
 
 One async Ray actor per channel holds the queues once two processes use it, but only small messages. Where an
 item travels depends on its ends:
@@ -64,12 +65,13 @@ class _NeedsRay(Exception):
 
 
 class _Pickler(cloudpickle.CloudPickler):
-    """cloudpickle that turns dense CPU tensors into byte arrays, so protocol 5 ships them out of band."""
+    """cloudpickle that turns dense CPU and CUDA tensors into byte arrays (CUDA ones copied to host memory first), so
+    protocol 5 ships them out of band; they arrive as CPU tensors."""
 
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")  # no torch imported here: no tensors to care about
-        if torch is not None and type(obj) is torch.Tensor and _plain_cpu(obj, torch):
-            flat = obj.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        if torch is not None and type(obj) is torch.Tensor and _plain(obj, torch):
+            flat = obj.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).cpu()
             dtype = str(obj.dtype).removeprefix("torch.")
             return _tensor_from_bytes, (flat.view(torch.uint8).numpy(), dtype, tuple(obj.shape), obj.requires_grad)
         if isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle)):
@@ -77,8 +79,8 @@ class _Pickler(cloudpickle.CloudPickler):
         return super().reducer_override(obj)
 
 
-def _plain_cpu(t, torch) -> bool:
-    return t.device.type == "cpu" and t.layout == torch.strided and not (t.is_quantized or t.is_nested)
+def _plain(t, torch) -> bool:
+    return t.device.type in ("cpu", "cuda") and t.layout == torch.strided and not (t.is_quantized or t.is_nested)
 
 
 def _tensor_from_bytes(data: np.ndarray, dtype: str, shape: tuple, requires_grad: bool):

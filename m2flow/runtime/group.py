@@ -183,6 +183,15 @@ class Worker:
         return self.devices[0].kind if self.devices else "cpu"
 
     @property
+    def torch_device(self):
+        """The torch device this rank computes on: on GPU devices its first GPU (`cuda:0`, as CUDA_VISIBLE_DEVICES
+        lists only this rank's GPUs), else the CPU. Workers place their models here, move what they compute on in,
+        and hand on CPU tensors (channels and the object store carry host memory)."""
+        import torch
+
+        return torch.device("cuda", 0) if self._device_kind == "gpu" else torch.device("cpu")
+
+    @property
     def _offload_dir(self) -> str:
         base = self.run_dir or os.path.join(tempfile.gettempdir(), "m2flow")
         return os.path.join(base, "offload", f"{self.component}-{self.rank}-{os.getpid()}")

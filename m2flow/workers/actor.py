@@ -60,7 +60,7 @@ class ActorWorker(PublishesWeights, Worker):
         self.tokenizer = load_tokenizer(model_path)
         # bf16 mixed precision: float32 master weights and optimizer state, bf16 compute (m2flow/engines/precision.py)
         self.precision = training_precision(cfg.model.dtype, cfg.model.mixed_precision)
-        self.model = load_model(model_path, dtype=self.precision.weights).train()
+        self.model = load_model(model_path, dtype=self.precision.weights, device=self.torch_device).train()
         self.lora = cfg.model.lora if cfg.model.lora.r else None
         # LoRA: adapters injected into the model in place, every other weight frozen; the optimizer gets only them
         self.peft = add_lora(self.model, self.lora) if self.lora else None
@@ -69,9 +69,8 @@ class ActorWorker(PublishesWeights, Worker):
             raise ValueError(f"actor.backend=torch trains on one rank, but the placement gives the actor "
                              f"{self.world_size} ranks; set actor.backend=fsdp2 to shard it over them")
         if self.sharded:  # every rank holds 1/world of the parameters, gradients and optimizer state
-            where = next(self.model.parameters()).device.type  # the model is loaded on the CPU (for now, on GPUs too)
-            self.init_process_group("nccl" if where == "cuda" else "gloo")
-            shard_model(self.model, where)
+            self.init_process_group()  # nccl on GPUs, gloo on CPUs
+            shard_model(self.model, self.torch_device.type)
         self.key = self.rank if self.world_size > 1 else None  # data-parallel ranks read their own share
         # fused: one kernel for all parameters (TRL's default too); FSDP2's DTensor shards keep the foreach kernels
         trained = [p for p in self.model.parameters() if p.requires_grad]
@@ -226,7 +225,7 @@ class ActorWorker(PublishesWeights, Worker):
         """Token logprobs of `batch` under the current weights, no gradient, a micro-batch at a time."""
         with torch.no_grad(), self.precision.autocast(self.model):  # the micro-batches share the batch's padded width
             return torch.cat([token_logprobs(self.model, m.tensors, self.cfg.rollout.temperature, self.share_prompts)
-                              for m in self._micros(batch)])
+                              for m in self._micros(batch)]).cpu()
 
     def _micros(self, batch: Batch) -> list[Batch]:
         """`batch` cut into forward/backward micro-batches: equal parts of at most `actor.micro_batch_tokens` padded
@@ -264,6 +263,7 @@ class ActorWorker(PublishesWeights, Worker):
 
     def _loss(self, micro: Batch) -> tuple[torch.Tensor, dict]:
         alg = self.cfg.algorithm
+        micro = micro.to(self.torch_device)
         mask = micro["response_mask"].float()
         extra = {}
         if "loss_mask" in micro:  # multi-turn: only the tokens the model wrote train (not the tools' answers)

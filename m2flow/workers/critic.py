@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from m2flow.algorithms import response_gae, value_loss
-from m2flow.engines.fsdp import all_reduce, full_tensor, load_sharded, save_sharded, shard_model
+from m2flow.engines.fsdp import (all_reduce, all_reduce_tensor, full_tensor, load_sharded, save_sharded,
+                                 shard_model)
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.engines.precision import training_precision
 from m2flow.runtime import Worker
@@ -38,8 +39,12 @@ class ValueModel(nn.Module):
             self.head.bias.zero_()
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        hidden = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                            position_ids=batch.get("position_ids"), use_cache=False).last_hidden_state
+        """Values on the model's device, whatever device `batch` is on."""
+        device = self.head.weight.device
+        position_ids = batch.get("position_ids")
+        hidden = self.model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                            position_ids=None if position_ids is None else position_ids.to(device),
+                            use_cache=False).last_hidden_state
         values = self.head(hidden).squeeze(-1).float()  # [B, L]: the value after reading tokens 0..t
         return torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
 
@@ -50,11 +55,12 @@ class CriticWorker(Worker):
         c = cfg.critic
         torch.manual_seed(cfg.run.seed + 1)
         self.precision = training_precision(cfg.model.dtype, cfg.model.mixed_precision)  # as the actor's
-        self.model = ValueModel(load_model(model_path, dtype=self.precision.weights), cfg.run.seed).train()
+        self.model = ValueModel(load_model(model_path, dtype=self.precision.weights, device=self.torch_device),
+                                cfg.run.seed).train()
         self.sharded = self.world_size > 1
         if self.sharded:  # every rank holds 1/world of the parameters, gradients and optimizer state
-            self.init_process_group()
-            shard_model(self.model, next(self.model.parameters()).device.type)
+            self.init_process_group()  # nccl on GPUs, gloo on CPUs
+            shard_model(self.model, self.torch_device.type)
         self.key = self.rank if self.sharded else None  # sharded ranks read their own share
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=tuple(cfg.actor.betas),
                                            eps=cfg.actor.eps, weight_decay=c.weight_decay, fused=not self.sharded)
@@ -80,7 +86,7 @@ class CriticWorker(Worker):
         with self.device_phase("values", step), torch.no_grad():
             passes, _ = self._passes(batch)
             with self.precision.autocast(self.model):
-                old = torch.cat([self.model(m.tensors) for m in passes])[: len(batch)] * mask
+                old = torch.cat([self.model(m.tensors).cpu() for m in passes])[: len(batch)] * mask
         adv, ret = response_gae(batch["rewards"], old, mask, alg.gamma, alg.lam)
         mean, std = self._moments(adv, mask)
         batch["advantages"] = (adv - mean) / (std + 1e-8) * mask  # whitened over the step's response tokens
@@ -113,11 +119,7 @@ class CriticWorker(Worker):
     def _sum(self, *tensors: torch.Tensor) -> list[float]:
         """Each tensor's sum, over every rank when sharded (one all-reduce), in float64."""
         sums = torch.stack([t.double().sum() for t in tensors])
-        if self.sharded:
-            import torch.distributed as dist
-
-            dist.all_reduce(sums)
-        return sums.tolist()
+        return (all_reduce_tensor(sums) if self.sharded else sums).tolist()
 
     def _moments(self, adv: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
         """The mean and (Bessel) std of `adv` over every rank's response tokens."""
@@ -146,6 +148,7 @@ class CriticWorker(Worker):
                     self.optimizer.zero_grad(set_to_none=True)
                     passes, own = self._passes(part)
                     for i, micro in enumerate(passes):
+                        micro = micro.to(self.torch_device)
                         m = micro["train_mask"] * (i < own)
                         with self.precision.autocast(self.model):
                             values = self.model(micro.tensors)

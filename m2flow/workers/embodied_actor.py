@@ -148,8 +148,8 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
         # compiling on the first update (cached under /tmp/torchinductor_* for later runs)
         self.loss_fn = torch.compile(minibatch_loss) if cfg.actor.compile else minibatch_loss
         self.version = 0
-        if self.world_size > 1:
-            self.init_process_group()
+        if self.world_size > 1:  # the policies (small MLPs) stay on the CPU, GPU devices or not: gloo
+            self.init_process_group("gloo")
         self.register_offloadable("policy", self.policy)
         self.register_offloadable("optimizer", self.optimizer)
 

@@ -60,7 +60,8 @@ class InferenceWorker(Worker):
         self.pad_id = load_tokenizer(model_path).pad_token_id
         self.recompute = cfg.recompute_old_logprobs()
         kl = cfg.algorithm.kl_coef > 0
-        model = load_model(model_path, dtype=getattr(torch, cfg.model.dtype)).eval() if self.recompute or kl else None
+        model = (load_model(model_path, dtype=getattr(torch, cfg.model.dtype), device=self.torch_device).eval()
+                 if self.recompute or kl else None)
         self.model = model if self.recompute else None
         self.adapters = adapter_receiver(cfg)  # LoRA adapter syncs: the frozen base they are applied to
         # the reference policy is the initial model, frozen: only needed for a KL penalty
@@ -95,9 +96,9 @@ class InferenceWorker(Worker):
             with self.device_phase("logprobs", step), torch.no_grad():
                 temperature, share = self.cfg.rollout.temperature, self.cfg.actor.share_prompts
                 if self.model is not None:
-                    batch["old_logprobs"] = token_logprobs(self.model, batch.tensors, temperature, share)
+                    batch["old_logprobs"] = token_logprobs(self.model, batch.tensors, temperature, share).cpu()
                 if self.ref is not None:
-                    batch["ref_logprobs"] = token_logprobs(self.ref, batch.tensors, temperature, share)
+                    batch["ref_logprobs"] = token_logprobs(self.ref, batch.tensors, temperature, share).cpu()
         if consumers > 1:
             route(out, batch, consumers)
         else:

@@ -54,7 +54,7 @@ class RolloutWorker(Worker):
     def __init__(self, cfg, model_path: str):
         self.cfg = cfg
         self.tokenizer = load_tokenizer(model_path)
-        self.model = load_model(model_path, dtype=getattr(torch, cfg.model.dtype)).eval()
+        self.model = load_model(model_path, dtype=getattr(torch, cfg.model.dtype), device=self.torch_device).eval()
         self.adapters = adapter_receiver(cfg)  # LoRA adapter syncs: the frozen base they are applied to
         max_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens + 1
         self.engine = build_engine(cfg.rollout.engine, self.model, self.tokenizer, cfg.rollout.max_slots, max_len,
