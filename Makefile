@@ -6,16 +6,22 @@ STAMP := $(VENV)/.m2flow-installed
 # Every install goes through the lock file: the exact versions the suite last passed with.
 PIP := $(PY) -m pip install -q -c constraints.txt
 
-.PHONY: setup demo test bench lock clean
+.PHONY: setup demo test bench lock clean vulkan
 
 setup: $(STAMP)
 
 # torch is pinned to the CPU build on disk and installed first, so nothing pulls a CUDA build.
-$(STAMP): pyproject.toml constraints.txt
+# The maniskill extra (ManiSkill3 tasks) comes with the test set-up; SAPIEN needs a Vulkan device (`make vulkan`).
+$(STAMP): pyproject.toml constraints.txt scripts/vulkan.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[test]"
+	$(PIP) -e ".[test,maniskill]"
+	bash scripts/vulkan.sh
 	touch $(STAMP)
+
+# Debian 12: Mesa's software Vulkan driver from bookworm-backports, for ManiSkill3 (root or sudo). Elsewhere: a hint.
+vulkan:
+	bash scripts/vulkan.sh
 
 demo: setup
 	$(VENV)/bin/m2flow demo
@@ -33,7 +39,7 @@ LOCK_VENV := .lock-venv
 lock:
 	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/pip install -q torch==2.13.0
-	$(LOCK_VENV)/bin/pip install -q -e ".[test,bench]"
+	$(LOCK_VENV)/bin/pip install -q -e ".[test,bench,maniskill]"
 	{ grep '^#' constraints.txt; $(LOCK_VENV)/bin/pip freeze --all --exclude-editable | grep -v '^pip=='; } \
 		> constraints.txt.new && mv constraints.txt.new constraints.txt
 	rm -rf $(LOCK_VENV) $(STAMP)

@@ -1,4 +1,5 @@
-"""The `m2flow` command: demo | train | eval | sft | init-model | profile | plan. Parses arguments and calls flows."""
+"""The `m2flow` command: demo | train | eval | sft | init-model | demos | profile | plan. Parses arguments and calls
+flows."""
 
 from __future__ import annotations
 
@@ -44,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--hidden", type=int, default=64)
     i.add_argument("--layers", type=int, default=2)
     i.add_argument("--seed", type=int, default=0)
+
+    dm = sub.add_parser("demos", help="record expert demonstrations of a ManiSkill3 task (PickCube-v1, PushCube-v1, "
+                                      "StackCube-v1) as a dataset for behaviour cloning")
+    dm.add_argument("task")
+    dm.add_argument("-n", "--episodes", type=int, default=100, help="episodes, from reset seeds SEED, SEED + 1, ...")
+    dm.add_argument("--out", default=None, help="dataset directory (default: runs/demos/TASK)")
+    dm.add_argument("--seed", type=int, default=0, help="the first reset seed")
 
     pr = sub.add_parser("profile", help="time each component of a flow (reasoning or embodied) alone at several batch sizes")
     pr.add_argument("config", help="YAML file or preset name in configs/")
@@ -170,6 +178,30 @@ def cmd_init_model(args) -> int:
     return 0
 
 
+def cmd_demos(args) -> int:
+    from m2flow.config import UserError
+    from m2flow.flows.outputs import progress
+    from m2flow.workloads.embodied import experts, maniskill
+
+    if args.task not in experts.EXPERTS:
+        raise UserError(f"demos: no expert for task '{args.task}'; tasks: {', '.join(experts.EXPERTS)}")
+    if args.episodes < 1:
+        raise UserError(f"demos: -n must be >= 1, got {args.episodes}")
+    try:
+        maniskill.check_available()
+    except (ImportError, RuntimeError) as e:
+        raise UserError(f"demos: {e}") from None
+    out = args.out or os.path.join("runs", "demos", args.task)
+    with progress(sys.stderr.isatty()) as bar:
+        task = bar.add_task(f"{args.task} expert", total=args.episodes, info="")
+        summary = experts.write_demos(args.task, args.episodes, out, seed=args.seed,
+                                      progress=lambda done: bar.update(task, completed=done))
+    episodes = summary["episodes"]
+    print(f"{len(episodes)} episodes of {args.task}: {summary['success_rate']:.0%} successful, "
+          f"{sum(e['length'] for e in episodes)} steps; dataset: {out}")
+    return 0
+
+
 def cmd_profile(args) -> int:
     from m2flow.planning.profile import profile_command
 
@@ -188,7 +220,8 @@ def cmd_plan(args) -> int:
     return 0
 
 
-COMMANDS = {"plan": cmd_plan, "profile": cmd_profile, "demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "sft": cmd_sft, "init-model": cmd_init_model}
+COMMANDS = {"plan": cmd_plan, "profile": cmd_profile, "demo": cmd_demo, "train": cmd_train, "eval": cmd_eval,
+            "sft": cmd_sft, "init-model": cmd_init_model, "demos": cmd_demos}
 
 if __name__ == "__main__":
     sys.exit(main())

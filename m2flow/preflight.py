@@ -149,3 +149,10 @@ def _env_id(env_id: str) -> None:
         check_env_id(env_id)
     except ValueError as e:
         raise C.UserError(f"env.id: {e}") from None
+    from m2flow.workloads.embodied import maniskill
+
+    if maniskill.is_maniskill(env_id):  # the package and a Vulkan device, before any worker starts
+        try:
+            maniskill.check_available()
+        except (ImportError, RuntimeError) as e:
+            raise C.UserError(f"env.id: {env_id}: {e}") from None

@@ -153,7 +153,8 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
 
 
 def iteration_metrics(env_out: list[dict], recent) -> dict:
-    """Episodes finished this iteration (raw return, length, success_once) and where the rollout's time went."""
+    """Episodes finished this iteration (raw return, length, success_once and success) and where the rollout's time
+    went."""
     episodes = [e for out in env_out for e in out["episodes"]]
     steps, rollout_s = sum(o["env_steps"] for o in env_out), max(o["seconds"] for o in env_out)
     out = {"rollout/episodes": len(episodes),
@@ -165,9 +166,10 @@ def iteration_metrics(env_out: list[dict], recent) -> dict:
     if episodes:
         out["rollout/return"] = float(np.mean([e["return"] for e in episodes]))
         out["rollout/length"] = float(np.mean([e["length"] for e in episodes]))
-    flags = [e["success_once"] for e in episodes if "success_once" in e]
-    if flags:
-        out["rollout/success_once"] = float(np.mean(flags))
+    reported = [e for e in episodes if "success_once" in e]
+    if reported:  # success at any step of the episode, and at its last
+        out["rollout/success_once"] = float(np.mean([e["success_once"] for e in reported]))
+        out["rollout/success"] = float(np.mean([e["success"] for e in reported]))
     return out
 
 

@@ -208,6 +208,7 @@ def test_success_once_per_episode():
         g.step(np.array([[1.0], [-1.0]], np.float32))
     eps = {e["env_index"]: e for e in g.pop_episodes()}
     assert eps[0]["success_once"] is True and eps[1]["success_once"] is False
+    assert eps[0]["success"] is True and eps[1]["success"] is False  # at the episode's last step
     assert summarize_episodes(list(eps.values()))["success_once"] == 0.5
 
 

@@ -29,16 +29,19 @@ import torch.nn.functional as F
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
+from . import maniskill
 from .normalize import ObsNormalizer, RewardScaler
 
 # --- factory ---
 
 
 def check_env_id(env_id: str) -> None:
-    """Raise ValueError naming the closest registered ids when `env_id` is not in the gymnasium registry."""
-    if env_id in gym.registry or ":" in env_id:  # "module:Env-v0" ids register themselves on import in gym.make
+    """Raise ValueError naming the closest ids when `env_id` is neither in the gymnasium registry nor a ManiSkill3
+    task (`maniskill.TASKS`)."""
+    # "module:Env-v0" ids register themselves on import in gym.make
+    if env_id in gym.registry or ":" in env_id or maniskill.is_maniskill(env_id):
         return
-    close = difflib.get_close_matches(env_id, list(gym.registry), n=5, cutoff=0.6)
+    close = difflib.get_close_matches(env_id, [*gym.registry, *maniskill.TASKS], n=5, cutoff=0.6)
     hint = f"close matches: {', '.join(close)}" if close else "no close match (see gymnasium.pprint_registry())"
     raise ValueError(f"unknown gymnasium env id {env_id!r}; {hint}")
 
@@ -81,6 +84,11 @@ def make_env_fns(
     in `PixelObservation(image_size)`; MuJoCo envs then render at that size directly, headless through EGL.
     """
     check_env_id(env_id)
+    if maniskill.is_maniskill(env_id):  # SAPIEN, not a gym.make of the registry's defaults
+        if pixels:
+            raise ValueError(f"{env_id}: pixel observations are not supported for ManiSkill3 tasks yet (state only)")
+        maniskill.check_available()  # a one-line error here rather than in every env's constructor
+        return [functools.partial(_make_maniskill, env_id, render_mode, seed + i, kwargs) for i in range(num_envs)]
     is_mujoco = ":" not in env_id and "mujoco" in str(gym.spec(env_id).entry_point)
     if is_mujoco:
         _route_mujoco_warnings()
@@ -102,6 +110,12 @@ def make_env_fns(
         return env
 
     return [functools.partial(make, i) for i in range(num_envs)]
+
+
+def _make_maniskill(env_id: str, render_mode: str | None, action_seed: int, kwargs: dict) -> gym.Env:
+    env = maniskill.make(env_id, render_mode=render_mode, **kwargs)
+    env.action_space.seed(action_seed)
+    return env
 
 
 def make_vector_env(env_id: str, num_envs: int, seed: int = 0, pixels: bool = False, render_mode: str | None = None,
@@ -167,6 +181,7 @@ class _Shared:
         self.ep_return = np.zeros(n)  # raw, unnormalized
         self.ep_length = np.zeros(n, np.int64)
         self.success_once = np.zeros(n, bool)
+        self.success_now = np.zeros(n, bool)  # at the last step
         self.reports_success = np.zeros(n, bool)
         self.disc_return = np.zeros(n)  # G_t for reward scaling
         self.env_steps = np.zeros(n, np.int64)  # total env steps of env i (for error messages)
@@ -210,8 +225,8 @@ class EnvGroup:
     - normalization (optional): obs by running mean/std, rewards by the running std of discounted returns
       (SB3 VecNormalize). Obs are normalized with the statistics of all earlier rounds, then queued (see
       `_Shared.record`); `training=False` freezes them. `state_dict()` / `load_state_dict()` carry them.
-    - episodes: raw return, length and `success_once` (when the env reports info["success"] / info["is_success"]),
-      collected by `pop_episodes()`.
+    - episodes: raw return, length and, when the env reports info["success"] / info["is_success"], `success_once`
+      (at any step) and `success` (at the last step), collected by `pop_episodes()`.
     - chunks: `step_chunk(actions[n, k, ...])` executes up to k actions per env as ONE learner step; see there.
     - stages: `split(s)` gives s views of consecutive envs sharing this state, for env/policy pipelining.
     Box actions are clipped to the bounds before the env sees them (`clip_actions=True`, the policy keeps the
@@ -351,7 +366,8 @@ class EnvGroup:
                 success = info.get("success", info.get("is_success"))
                 if success is not None:
                     s.reports_success[i] = True
-                    s.success_once[i] |= bool(np.any(success))
+                    s.success_now[i] = bool(np.any(success))
+                    s.success_once[i] |= s.success_now[i]
                 if term or trunc:
                     terminated[j], truncated[j] = bool(term), bool(trunc and not term)
                     final_raw[j] = obs
@@ -376,7 +392,7 @@ class EnvGroup:
 
     def pop_episodes(self) -> list[dict]:
         """Finished episodes of this group's envs since the last call: dicts with env_index, return (raw), length
-        (env steps) and, for envs that report success, success_once."""
+        (env steps) and, for envs that report success, success_once and success (at the episode's last step)."""
         mine = [e for e in self._s.episodes if self._lo <= e["env_index"] < self._hi]
         self._s.episodes = [e for e in self._s.episodes if not self._lo <= e["env_index"] < self._hi]
         return mine
@@ -424,12 +440,13 @@ class EnvGroup:
     def _start_episode(self, i: int) -> None:
         s = self._s
         s.ep_return[i], s.ep_length[i], s.success_once[i], s.reports_success[i] = 0.0, 0, False, False
+        s.success_now[i] = False
 
     def _end_episode(self, i: int) -> None:
         s = self._s
         ep = {"env_index": i, "return": float(s.ep_return[i]), "length": int(s.ep_length[i])}
-        if s.reports_success[i]:
-            ep["success_once"] = bool(s.success_once[i])
+        if s.reports_success[i]:  # success at any step, and at the episode's last
+            ep["success_once"], ep["success"] = bool(s.success_once[i]), bool(s.success_now[i])
         s.episodes.append(ep)
         self._start_episode(i)
 
@@ -539,7 +556,8 @@ def summarize_episodes(episodes: Sequence[dict]) -> dict[str, float]:
         return {"episodes": 0}
     out = {"episodes": len(episodes), "return": float(np.mean([e["return"] for e in episodes])),
            "length": float(np.mean([e["length"] for e in episodes]))}
-    reported = [e["success_once"] for e in episodes if "success_once" in e]
+    reported = [e for e in episodes if "success_once" in e]
     if reported:
-        out["success_once"] = float(np.mean(reported))
+        out["success_once"] = float(np.mean([e["success_once"] for e in reported]))
+        out["success"] = float(np.mean([e["success"] for e in reported]))
     return out

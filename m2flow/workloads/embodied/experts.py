@@ -1,0 +1,177 @@
+"""Scripted experts for the ManiSkill3 tasks and the demonstration datasets they write.
+
+An expert reads the simulator's true state (the cube, goal and gripper positions: privileged, as a motion planner's
+is) and drives the end effector through waypoints in the policies' own control mode (`pd_ee_delta_pos`: 3 deltas
+and the gripper, in [-1, 1]), so a demonstration needs no conversion: its actions are what a policy emits, its
+observations what a policy sees. Measured on 100 seeds (`m2flow demos TASK -n 100`, see docs/embodied.md): PickCube
+and PushCube succeed on every seed; StackCube on most (the failed episodes are kept, marked failed).
+
+Why not ManiSkill's motion planner: it needs `mplib` 0.1.1, which segfaults under numpy 2 (the main environment's),
+and its demos are in joint-position control, to be converted by replaying them.
+
+A dataset is a directory: `demos.npz` (obs [T, D] float32, actions [T, 4] float32, rewards [T] float32, episode
+[T] int32: each row's episode number) and `demos.json` (task, instruction, control mode, and per episode its reset
+seed, length, success and return).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+
+from . import maniskill
+
+
+def _p(actor) -> np.ndarray:
+    return actor.pose.p[0].cpu().numpy().astype(np.float64)
+
+
+def _toward(tcp: np.ndarray, target: np.ndarray, grip: float, gain: float = 10.0) -> np.ndarray:
+    """A `pd_ee_delta_pos` action moving the gripper toward `target` (clipped to the controller's range)."""
+    return np.concatenate([np.clip((target - tcp) * gain, -1.0, 1.0), [grip]]).astype(np.float32)
+
+
+OPEN, CLOSED = 1.0, -1.0
+
+
+class _Expert:
+    """A waypoint state machine over the env's true state; `act()` gives the next action."""
+
+    def __init__(self, env: gym.Env):
+        self.base = env.unwrapped
+        self.phase, self.waited = 0, 0
+
+    def _reach(self, tcp, target, grip, tol=0.01, gain=10.0) -> np.ndarray:
+        if np.linalg.norm(tcp - target) < tol:
+            self.phase += 1
+        return _toward(tcp, target, grip, gain)
+
+    def _grip(self, tcp, grip, steps=6) -> np.ndarray:
+        self.waited += 1
+        if self.waited >= steps:
+            self.phase, self.waited = self.phase + 1, 0
+        return _toward(tcp, tcp, grip)
+
+
+class PickCubeExpert(_Expert):
+    """Above the cube, down, close, carry it to the goal."""
+
+    def act(self) -> np.ndarray:
+        b = self.base
+        tcp, cube, goal = _p(b.agent.tcp), _p(b.cube), _p(b.goal_site)
+        if self.phase == 0:
+            return self._reach(tcp, cube + [0, 0, 0.05], OPEN)
+        if self.phase == 1:
+            return self._reach(tcp, cube, OPEN, tol=0.005)
+        if self.phase == 2:
+            return self._grip(tcp, CLOSED)
+        return _toward(tcp, goal, CLOSED)
+
+
+class PushCubeExpert(_Expert):
+    """Behind the cube (the goal lies along +x), down to its height, push it onto the goal."""
+
+    def act(self) -> np.ndarray:
+        b = self.base
+        tcp, cube, goal = _p(b.agent.tcp), _p(b.obj), _p(b.goal_region)
+        h = float(b.cube_half_size)
+        behind = np.array([cube[0] - h - 0.02, cube[1], h])
+        if self.phase == 0:
+            return self._reach(tcp, behind + [0, 0, 0.05], CLOSED)
+        if self.phase == 1:
+            return self._reach(tcp, behind, CLOSED)
+        return _toward(tcp, np.array([goal[0] - h, goal[1], h]), CLOSED, gain=5.0)
+
+
+class StackCubeExpert(_Expert):
+    """Pick the red cube (A), lift it, bring it over the green one (B), lower it onto it, let go."""
+
+    def act(self) -> np.ndarray:
+        b = self.base
+        tcp, a, bb = _p(b.agent.tcp), _p(b.cubeA), _p(b.cubeB)
+        h = float(np.asarray(b.cube_half_size.cpu() if hasattr(b.cube_half_size, "cpu") else b.cube_half_size)
+                  .reshape(-1)[-1])
+        on_b = bb + [0, 0, 2 * h]
+        if self.phase == 0:
+            return self._reach(tcp, a + [0, 0, 0.05], OPEN)
+        if self.phase == 1:
+            return self._reach(tcp, a, OPEN, tol=0.005)
+        if self.phase == 2:
+            return self._grip(tcp, CLOSED)
+        if self.phase == 3:  # straight up, clear of cube B
+            target = np.array([tcp[0], tcp[1], on_b[2] + 0.05])
+            if abs(tcp[2] - target[2]) < 0.01:
+                self.phase += 1
+            return _toward(tcp, target, CLOSED)
+        if self.phase == 4:
+            return self._reach(tcp, on_b + [0, 0, 0.03], CLOSED, tol=0.005)
+        if self.phase == 5:
+            if np.linalg.norm(a - on_b) < 0.004:
+                self.phase += 1
+            return _toward(tcp, on_b + [0, 0, 0.003], CLOSED, gain=5.0)
+        return _toward(tcp, tcp, OPEN)
+
+
+EXPERTS = {"PickCube-v1": PickCubeExpert, "PushCube-v1": PushCubeExpert, "StackCube-v1": StackCubeExpert}
+
+
+def run_expert(env_id: str, seed: int, env: gym.Env | None = None,
+               max_episode_steps: int = maniskill.MAX_EPISODE_STEPS) -> dict:
+    """One expert episode from reset seed `seed`: obs [T, D], actions [T, 4], rewards [T], success, length."""
+    if env_id not in EXPERTS:
+        raise ValueError(f"no expert for {env_id!r}; experts: {', '.join(EXPERTS)}")
+    env = env or maniskill.make(env_id, max_episode_steps=max_episode_steps)
+    obs, _ = env.reset(seed=seed)
+    expert = EXPERTS[env_id](env)
+    rows, actions, rewards, success = [], [], [], False
+    while True:
+        action = expert.act()
+        rows.append(obs)
+        actions.append(action)
+        obs, reward, terminated, truncated, info = env.step(action)
+        rewards.append(float(reward))
+        success = bool(info.get("success", False))
+        if terminated or truncated:
+            break
+    return {"obs": np.asarray(rows, np.float32), "actions": np.asarray(actions, np.float32),
+            "rewards": np.asarray(rewards, np.float32), "success": success, "length": len(actions), "seed": seed}
+
+
+def write_demos(env_id: str, episodes: int, out: str | Path, seed: int = 0, progress=None) -> dict:
+    """Run the expert from reset seeds seed, seed + 1, ... and write the dataset (module docstring) to `out`.
+    `progress(i)` is called after each episode. Returns the JSON summary."""
+    env = maniskill.make(env_id)
+    runs = []
+    for i in range(episodes):
+        runs.append(run_expert(env_id, seed + i, env))
+        if progress is not None:
+            progress(i + 1)
+    env.close()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(out / "demos.npz", obs=np.concatenate([r["obs"] for r in runs]),
+                        actions=np.concatenate([r["actions"] for r in runs]),
+                        rewards=np.concatenate([r["rewards"] for r in runs]),
+                        episode=np.concatenate([np.full(r["length"], i, np.int32) for i, r in enumerate(runs)]))
+    summary = {"task": env_id, "instruction": maniskill.instruction(env_id), "control_mode": maniskill.CONTROL_MODE,
+               "max_episode_steps": maniskill.MAX_EPISODE_STEPS, "expert": EXPERTS[env_id].__name__,
+               "success_rate": float(np.mean([r["success"] for r in runs])),
+               "episodes": [{"seed": r["seed"], "length": r["length"], "success": r["success"],
+                             "return": float(r["rewards"].sum())} for r in runs]}
+    (out / "demos.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def load_demos(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(summary, arrays) of a dataset directory written by `write_demos`."""
+    d = Path(path)
+    for name in ("demos.json", "demos.npz"):
+        if not (d / name).exists():
+            raise FileNotFoundError(f"{d}: not a demonstration dataset (no {name}; `m2flow demos TASK -n N --out DIR` "
+                                    f"writes one)")
+    with np.load(d / "demos.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    return json.loads((d / "demos.json").read_text()), arrays
