@@ -31,13 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--episodes", type=int, default=10, help="embodied checkpoints: deterministic episodes to run")
     e.add_argument("--video", default=None, help="embodied checkpoints: folder for a video of one episode")
 
-    s = sub.add_parser("sft", help="supervised warm start on prompt -> answer pairs")
-    s.add_argument("model", help="HF model directory to start from")
-    s.add_argument("out", help="where to write the fine-tuned model directory")
-    s.add_argument("overrides", nargs="*", help="data.* overrides choosing the task")
-    s.add_argument("--steps", type=int, default=600)
-    s.add_argument("--batch-size", type=int, default=64)
-    s.add_argument("--lr", type=float, default=3e-3)
+    s = sub.add_parser("sft", help="supervised warm start: reasoning, on prompt -> answer pairs; embodied (--demos), "
+                                   "behaviour cloning of demonstrations")
+    s.add_argument("model", help="HF model directory to start from; with --demos, the embodied config or preset "
+                                 "whose policy is cloned")
+    s.add_argument("out", help="where to write the fine-tuned model directory (--demos: the policy checkpoint that "
+                               "policy.init=OUT starts RL from)")
+    s.add_argument("overrides", nargs="*", help="data.* overrides choosing the task (--demos: config overrides)")
+    s.add_argument("--demos", default=None, help="a demonstration dataset (m2flow demos): behaviour cloning")
+    s.add_argument("--demo-episodes", type=int, default=None, help="--demos: clone from the first N episodes only")
+    s.add_argument("--steps", type=int, default=None, help="optimizer steps (default 600; --demos: 2000)")
+    s.add_argument("--batch-size", type=int, default=None, help="default 64; --demos: 256")
+    s.add_argument("--lr", type=float, default=None, help="default 3e-3; --demos: 1e-3")
 
     i = sub.add_parser("init-model", help="write a tiny HF model directory (random weights, character tokenizer)")
     i.add_argument("out")
@@ -164,9 +169,37 @@ def cmd_sft(args) -> int:
     from m2flow import config as C
     from m2flow.workloads.reasoning.warm_start import sft_model
 
-    cfg = C.load(C.ReasoningConfig, None, args.overrides + [f"sft.steps={args.steps}", f"sft.batch_size={args.batch_size}", f"sft.lr={args.lr}"])
+    if args.demos is not None:
+        return behaviour_clone(args)
+    steps, batch_size, lr = args.steps or 600, args.batch_size or 64, args.lr or 3e-3
+    cfg = C.load(C.ReasoningConfig, None, args.overrides + [f"sft.steps={steps}", f"sft.batch_size={batch_size}",
+                                                            f"sft.lr={lr}"])
     sft_model(args.model, args.out, cfg)
     print(f"fine-tuned model: {args.out}")
+    return 0
+
+
+def behaviour_clone(args) -> int:
+    from m2flow import api
+    from m2flow import config as C
+    from m2flow.flows.embodied import behaviour_clone
+
+    cfg = api.load_config(args.model, args.overrides)
+    if not isinstance(cfg, C.EmbodiedConfig):
+        raise C.UserError(f"sft --demos: '{args.model}' is not an embodied config (flow: embodied)")
+    if args.demo_episodes is not None and args.demo_episodes < 1:
+        raise C.UserError(f"sft --demo-episodes must be >= 1, got {args.demo_episodes}")
+    try:
+        result = behaviour_clone(cfg, args.demos, args.out, steps=args.steps or 2000, episodes=args.demo_episodes,
+                                 batch_size=args.batch_size or 256, lr=args.lr or 1e-3, show=sys.stderr.isatty())
+    except (ValueError, FileNotFoundError) as e:
+        raise C.UserError(f"sft --demos: {e}") from None
+    print(f"cloned from {result['demo_episodes']} demonstrations ({result['demo_steps']} steps): nll "
+          f"{result['bc/nll']:.3f}; policy: {args.out} (policy.init={args.out})")
+    if "eval" in result:
+        e = result["eval"]
+        print(f"deterministic evaluation, {e['episodes']} episodes: return {e['return_mean']:.2f}"
+              + (f", success {e['success_rate']:.0%}" if "success_rate" in e else ""))
     return 0
 
 

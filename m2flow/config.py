@@ -722,6 +722,9 @@ class PolicyConfig:
     log_std_init: float = opt(0.0, "initial log std of Gaussian actions")
     ortho_init: bool = opt(True, "orthogonal init (False: torch's default init, as SB3's ortho_init=False)")
     features_dim: int = opt(512, "CNN encoder output width")
+    init: str = opt("", "start from this checkpoint's policy (a directory holding policy.safetensors: an embodied "
+                        "run's checkpoint, or behaviour cloning's `m2flow sft CONFIG OUT --demos DIR`); empty: random "
+                        "init")
 
     def validate(self, where: str) -> None:
         if self.kind not in ("mlp", "cnn"):

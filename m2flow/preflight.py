@@ -19,6 +19,9 @@ def preflight(cfg) -> None:
     _placement(cfg)
     if isinstance(cfg, C.EmbodiedConfig):
         _env_id(cfg.env.id)
+        if cfg.policy.init and not (Path(cfg.policy.init) / "policy.safetensors").is_file():
+            raise C.UserError(f"policy.init: '{cfg.policy.init}' holds no policy.safetensors (expected an embodied "
+                              f"checkpoint directory, or the output of `m2flow sft CONFIG OUT --demos DIR`)")
         return
     _model_dir(cfg.model.path)
     if cfg.data.task == "file":

@@ -229,3 +229,42 @@ def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | N
     if video_dir:
         out["video_dir"] = str(video_dir)
     return out
+
+
+def behaviour_clone(cfg: EmbodiedConfig, demos: str | Path, out: str | Path, steps: int = 2000,
+                    episodes: int | None = None, batch_size: int = 256, lr: float = 1e-3, show: bool = True) -> dict:
+    """Fit `cfg`'s policy to the demonstrations in `demos` (`m2flow demos`; the first `episodes` of them, successful
+    ones only: fewer leave RL room to improve) and write `out/`: policy.safetensors and config.yaml, which
+    `policy.init=OUT` starts an RL run from and `evaluate_checkpoint` evaluates, plus bc.json (the fit's metrics, the
+    demos used) and eval.json (`cfg.eval.episodes` deterministic episodes from held-out seeds). In this process."""
+    from safetensors.torch import save_file
+
+    from m2flow.workloads.embodied.bc import bc_dataset, fit
+    from m2flow.workloads.embodied.experts import load_demos
+
+    summary, arrays = load_demos(demos)
+    if summary["task"] != cfg.env.id:
+        raise ValueError(f"{demos}: demonstrations of {summary['task']}, but the config's env.id is {cfg.env.id}")
+    if cfg.env.norm_obs:
+        raise ValueError("behaviour cloning with env.norm_obs=true is not supported yet (the RL run would normalize "
+                         "observations the cloned policy never saw normalized); set env.norm_obs=false")
+    group = make_env_group(cfg, 1, cfg.run.seed)
+    policy = make_policy(cfg, group.observation_space, group.action_space)
+    group.close()
+    data = bc_dataset(arrays, summary, chunk=cfg.env.chunk, gamma=cfg.algorithm.gamma, episodes=episodes)
+    with progress(show) as bar:
+        task = bar.add_task("behaviour cloning", total=steps, info="")
+        metrics = fit(policy, data, steps, batch_size=batch_size, lr=lr, vf_coef=cfg.algorithm.vf_coef,
+                      seed=cfg.run.seed,
+                      on_step=lambda i, m: bar.update(task, completed=i, info=f"nll {m['bc/nll']:.3f}"))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in policy.state_dict().items()}, str(out / "policy.safetensors"))
+    C.save_yaml(cfg, out / "config.yaml")
+    result = {**metrics, "demos": str(demos), "demo_episodes": int(data["episodes"]), "demo_steps": len(data["obs"]),
+              "steps": steps}
+    (out / "bc.json").write_text(json.dumps(result, indent=1) + "\n")
+    if cfg.eval.episodes:
+        result["eval"] = evaluate_checkpoint(out, cfg.eval.episodes)
+        (out / "eval.json").write_text(json.dumps(result["eval"], indent=1) + "\n")
+    return result

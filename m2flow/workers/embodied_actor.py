@@ -140,6 +140,8 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
     def __init__(self, cfg, obs_space, action_space):
         self.cfg = cfg
         self.policy = make_policy(cfg, obs_space, action_space).train()
+        if cfg.policy.init:  # e.g. a behaviour-cloned policy; the first weight sync hands it to the rollout
+            load_policy(self.policy, Path(cfg.policy.init))
         torch.distributions.Distribution.set_default_validate_args(False)  # argument checks cost ~10% of a step
         # fused Adam: one kernel per step instead of ~13 small ops per tensor (15% of a small MLP's update on CPU)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.actor.lr, eps=cfg.actor.adam_eps, fused=True)

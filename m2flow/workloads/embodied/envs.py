@@ -38,10 +38,16 @@ from .normalize import ObsNormalizer, RewardScaler
 def check_env_id(env_id: str) -> None:
     """Raise ValueError naming the closest ids when `env_id` is neither in the gymnasium registry nor a ManiSkill3
     task (`maniskill.TASKS`)."""
-    # "module:Env-v0" ids register themselves on import in gym.make
-    if env_id in gym.registry or ":" in env_id or maniskill.is_maniskill(env_id):
+    if maniskill.is_maniskill(env_id) or ":" in env_id:  # "module:Env-v0" ids register themselves in gym.make
         return
-    close = difflib.get_close_matches(env_id, [*gym.registry, *maniskill.TASKS], n=5, cutoff=0.6)
+    # ManiSkill registers all its tasks into gymnasium's registry once imported; m2flow runs those of TASKS
+    known = [*(name for name, spec in gym.registry.items() if not maniskill.registered_by_it(spec)), *maniskill.TASKS]
+    if env_id in gym.registry and env_id not in known:
+        raise ValueError(f"{env_id!r} is a ManiSkill3 task m2flow does not run yet; tasks: "
+                         f"{', '.join(maniskill.TASKS)}")
+    if env_id in known:
+        return
+    close = difflib.get_close_matches(env_id, known, n=5, cutoff=0.6)
     hint = f"close matches: {', '.join(close)}" if close else "no close match (see gymnasium.pprint_registry())"
     raise ValueError(f"unknown gymnasium env id {env_id!r}; {hint}")
 

@@ -29,6 +29,14 @@ def is_maniskill(env_id: str) -> bool:
     return env_id in TASKS
 
 
+def registered_by_it(spec) -> bool:
+    """Whether a gymnasium registry entry is one of ManiSkill's (it registers all its tasks once imported)."""
+    entry = spec.entry_point
+    entry = getattr(entry, "func", entry)  # ManiSkill registers functools.partial(its make, env_id=...)
+    module = entry.split(":")[0] if isinstance(entry, str) else getattr(entry, "__module__", "") or ""
+    return module.startswith("mani_skill")
+
+
 def instruction(env_id: str) -> str:
     """The task's instruction in words."""
     if env_id not in TASKS:

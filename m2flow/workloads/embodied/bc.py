@@ -1,0 +1,74 @@
+"""Behaviour cloning: an actor-critic fitted to demonstrations (the datasets of `experts.write_demos`), as the warm
+start RL then fine-tunes (RLinf starts RL from a supervised policy).
+
+The actor maximises the Gaussian log-likelihood of the demonstrated actions (its mean and its state-independent std
+both learn: the std BC ends with is the exploration PPO starts from); with action chunks of k, row t's target is the
+next k demonstrated actions of its episode (the last repeated past the episode's end). The critic regresses the
+discounted return of each demonstrated step (Monte Carlo, `gamma`), so PPO's first advantages are not against an
+untrained value. Pure torch on given arrays: no envs, no workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from .policies import ActorCritic
+
+
+def bc_dataset(arrays: dict[str, np.ndarray], summary: dict, chunk: int = 1, gamma: float = 0.99,
+               episodes: int | None = None, successful_only: bool = True) -> dict[str, torch.Tensor]:
+    """obs [N, D], actions [N, (chunk,) A] and returns [N] of the first `episodes` demonstrations (all if None), failed
+    ones left out when `successful_only`."""
+    info = summary["episodes"][:episodes] if episodes is not None else summary["episodes"]
+    keep = [i for i, e in enumerate(info) if e["success"] or not successful_only]
+    if not keep:
+        raise ValueError(f"no {'successful ' if successful_only else ''}demonstrations among the first {len(info)} "
+                         f"episodes of the dataset ({summary.get('task', '?')})")
+    obs, actions, returns = [], [], []
+    for i in keep:
+        rows = np.flatnonzero(arrays["episode"] == i)
+        acts, rewards = arrays["actions"][rows], arrays["rewards"][rows].astype(np.float64)
+        if chunk > 1:  # row t: actions t .. t+k-1, the last one repeated past the end
+            index = np.minimum(np.arange(len(rows))[:, None] + np.arange(chunk)[None, :], len(rows) - 1)
+            acts = acts[index]
+        ret, g = np.zeros(len(rows)), 0.0
+        for t in range(len(rows) - 1, -1, -1):
+            g = rewards[t] + gamma * g
+            ret[t] = g
+        obs.append(arrays["obs"][rows])
+        actions.append(acts)
+        returns.append(ret)
+    return {"obs": torch.as_tensor(np.concatenate(obs), dtype=torch.float32),
+            "actions": torch.as_tensor(np.concatenate(actions), dtype=torch.float32),
+            "returns": torch.as_tensor(np.concatenate(returns), dtype=torch.float32),
+            "episodes": torch.tensor(len(keep))}
+
+
+def fit(policy: ActorCritic, data: dict[str, torch.Tensor], steps: int, batch_size: int = 256, lr: float = 1e-3,
+        vf_coef: float = 0.5, seed: int = 0, on_step: Callable[[int, dict], None] | None = None) -> dict:
+    """`steps` Adam steps on minibatches of `data` (sampled with replacement from a seeded generator): loss =
+    -mean log-likelihood of the actions + vf_coef * mean squared error of the values. Returns the last step's
+    metrics; `on_step(i, metrics)` sees every step's."""
+    if steps < 1:
+        raise ValueError(f"behaviour cloning needs steps >= 1, got {steps}")
+    optimizer = torch.optim.Adam(policy.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    n = len(data["obs"])
+    metrics: dict = {}
+    policy.train()
+    for i in range(steps):
+        rows = torch.randint(0, n, (min(batch_size, n),), generator=gen)
+        logprob, entropy, value = policy.evaluate(data["obs"][rows], data["actions"][rows])
+        nll = -logprob.mean()
+        vf = (value - data["returns"][rows]).square().mean()
+        loss = nll + vf_coef * vf
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        metrics = {"bc/nll": nll.item(), "bc/vf_loss": vf.item(), "bc/entropy": entropy.detach().mean().item()}
+        if on_step is not None:
+            on_step(i + 1, metrics)
+    return metrics

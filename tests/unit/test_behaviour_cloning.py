@@ -1,0 +1,40 @@
+"""Behaviour cloning's data and fit (m2flow/workloads/embodied/bc.py), on hand-made demonstrations."""
+
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+
+from m2flow.workloads.embodied import MLPActorCritic
+from m2flow.workloads.embodied.bc import bc_dataset, fit
+
+SUMMARY = {"task": "Toy-v0", "episodes": [{"success": True}, {"success": False}, {"success": True}]}
+ARRAYS = {"obs": np.arange(7, dtype=np.float32)[:, None] * [1.0, -1.0],
+          "actions": np.arange(7, dtype=np.float32)[:, None] / 10,
+          "rewards": np.array([1, 0, 2, 5, 5, 0, 1], np.float32),
+          "episode": np.array([0, 0, 0, 1, 1, 2, 2], np.int32)}
+
+
+def test_the_dataset_keeps_successful_episodes_chunks_actions_and_discounts_returns():
+    data = bc_dataset(ARRAYS, SUMMARY, chunk=2, gamma=0.5)
+    assert int(data["episodes"]) == 2 and data["obs"][:, 0].tolist() == [0, 1, 2, 5, 6]  # episode 1 failed
+    # row t: actions t and t + 1 of its own episode, the last one repeated past the end
+    assert data["actions"][:, :, 0].flatten().tolist() == pytest.approx([0, .1, .1, .2, .2, .2, .5, .6, .6, .6])
+    # returns: 1 + 0.5 * (0 + 0.5 * 2) = 1.5, 0 + 0.5 * 2 = 1, 2; then 0 + 0.5 * 1 = 0.5, 1
+    assert data["returns"].tolist() == pytest.approx([1.5, 1.0, 2.0, 0.5, 1.0])
+    assert int(bc_dataset(ARRAYS, SUMMARY, successful_only=False)["episodes"]) == 3
+    assert int(bc_dataset(ARRAYS, SUMMARY, episodes=1)["episodes"]) == 1
+    with pytest.raises(ValueError, match="no successful demonstrations among the first 2 episodes"):
+        bc_dataset(ARRAYS, {"task": "Toy-v0", "episodes": [{"success": False}] * 2})
+
+
+def test_fitting_raises_the_likelihood_of_the_demonstrated_actions_and_fits_the_returns():
+    torch.manual_seed(0)
+    policy = MLPActorCritic(2, spaces.Box(-1, 1, (1,)), hidden=(32,), log_std_init=0.0)
+    data = bc_dataset(ARRAYS, SUMMARY, gamma=0.5)
+    first = fit(policy, data, steps=1, lr=0.0)  # lr 0: the untrained policy's figures
+    last = fit(policy, data, steps=400, lr=1e-2)
+    assert last["bc/nll"] < first["bc/nll"] - 1.0 and last["bc/vf_loss"] < 0.25 * first["bc/vf_loss"]
+    with torch.no_grad():
+        mean = policy.act(data["obs"], deterministic=True)[0][:, 0]
+    assert mean.tolist() == pytest.approx(data["actions"][:, 0].tolist(), abs=0.05)
