@@ -687,7 +687,8 @@ class EmbodiedClusterConfig(ClusterConfig):
 
 @dataclass
 class EnvConfig:
-    id: str = opt("CartPole-v1", "gymnasium env id (classic control, MuJoCo, or 'module:Env-v0')")
+    id: str = opt("CartPole-v1", "gymnasium env id (classic control, MuJoCo, or 'module:Env-v0'), or ManiSkill3's "
+                                 "PickCube-v1 | PushCube-v1 | StackCube-v1 (several, comma-separated, with instruct)")
     num_envs: int = opt(8, "envs in total, split evenly over the env workers")
     pipeline_stages: int = opt(1, "env groups per env worker: the policy infers for one while the simulator steps "
                                "another (1: lockstep)")
@@ -700,6 +701,9 @@ class EnvConfig:
     pixels: bool = opt(False, "observe rendered frames [3, image_size, image_size] uint8 (with policy.kind=cnn)")
     image_size: int = opt(64, "side of the pixel observations")
     max_episode_steps: int | None = opt(None, "override the env's time limit (None: the registered one)")
+    instruct: bool = opt(False, "ManiSkill3: observations carry the task's instruction (word ids, then the state "
+                                "padded to 48) for policy.kind=instruct; needed when env.id lists several tasks "
+                                "('PickCube-v1,PushCube-v1,StackCube-v1': env i runs task i % 3)")
     kwargs: dict = opt({}, "extra keyword arguments for gymnasium.make, e.g. {ctrl_cost_weight: 0.1}")
     step_timeout_s: float = opt(60.0, "an env step or reset that has not returned after this many seconds stops the "
                                       "run, naming the env worker (0: no limit)")
@@ -716,7 +720,8 @@ class EnvConfig:
 
 @dataclass
 class PolicyConfig:
-    kind: str = opt("mlp", "mlp (state obs) | cnn (pixel obs, Nature-CNN encoder)")
+    kind: str = opt("mlp", "mlp (state obs) | cnn (pixel obs, Nature-CNN encoder) | instruct (env.instruct obs: the "
+                           "instruction's words embedded and averaged, beside the state, into the MLPs)")
     hidden: list[int] = opt([64, 64], "MLP hidden sizes (separate actor and critic networks)")
     activation: str = opt("tanh", "MLP activation: tanh | relu | gelu | elu")
     log_std_init: float = opt(0.0, "initial log std of Gaussian actions")
@@ -727,8 +732,8 @@ class PolicyConfig:
                         "init")
 
     def validate(self, where: str) -> None:
-        if self.kind not in ("mlp", "cnn"):
-            raise ConfigError(f"{where}.kind must be mlp | cnn, got '{self.kind}'")
+        if self.kind not in ("mlp", "cnn", "instruct"):
+            raise ConfigError(f"{where}.kind must be mlp | cnn | instruct, got '{self.kind}'")
         if self.activation not in ("tanh", "relu", "gelu", "elu"):
             raise ConfigError(f"{where}.activation must be tanh | relu | gelu | elu, got '{self.activation}'")
 
@@ -822,5 +827,8 @@ class EmbodiedConfig:
     def validate(self, where: str) -> None:
         if self.policy.kind == "cnn" and not self.env.pixels:
             raise ConfigError("policy.kind=cnn needs env.pixels=true (frames as observations)")
+        if (self.policy.kind == "instruct") != self.env.instruct:
+            raise ConfigError("policy.kind=instruct and env.instruct=true go together (the policy reads the "
+                              "instruction the observations carry)")
         if self.algorithm.name == "grpo" and self.env.seed_groups < 2:
             raise ConfigError("algorithm.name=grpo needs env.seed_groups >= 2 (advantages are relative within a group)")

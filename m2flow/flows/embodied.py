@@ -226,6 +226,12 @@ def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | N
     flags = [e["success_once"] for e in found if "success_once" in e]
     if flags:
         out["success_rate"] = float(np.mean(flags))
+    tasks = cfg.env.id.split(",")
+    if len(tasks) > 1 and flags:  # a multi-task group: env i ran task i % n
+        for t, task in enumerate(tasks):
+            mine = [e["success_once"] for e in found if e["env_index"] % len(tasks) == t]
+            if mine:
+                out[f"success_rate/{task.strip()}"] = float(np.mean(mine))
     if video_dir:
         out["video_dir"] = str(video_dir)
     return out
@@ -233,25 +239,34 @@ def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | N
 
 def behaviour_clone(cfg: EmbodiedConfig, demos: str | Path, out: str | Path, steps: int = 2000,
                     episodes: int | None = None, batch_size: int = 256, lr: float = 1e-3, show: bool = True) -> dict:
-    """Fit `cfg`'s policy to the demonstrations in `demos` (`m2flow demos`; the first `episodes` of them, successful
-    ones only: fewer leave RL room to improve) and write `out/`: policy.safetensors and config.yaml, which
+    """Fit `cfg`'s policy to the demonstrations in `demos` (`m2flow demos`; several datasets comma-separated, one per
+    task of a multi-task env.id; the first `episodes` of each, successful ones only: fewer leave RL room to improve)
+    and write `out/`: policy.safetensors and config.yaml, which
     `policy.init=OUT` starts an RL run from and `evaluate_checkpoint` evaluates, plus bc.json (the fit's metrics, the
     demos used) and eval.json (`cfg.eval.episodes` deterministic episodes from held-out seeds). In this process."""
     from safetensors.torch import save_file
 
+    from m2flow.workloads.embodied import maniskill
     from m2flow.workloads.embodied.bc import bc_dataset, fit
     from m2flow.workloads.embodied.experts import load_demos
 
-    summary, arrays = load_demos(demos)
-    if summary["task"] != cfg.env.id:
-        raise ValueError(f"{demos}: demonstrations of {summary['task']}, but the config's env.id is {cfg.env.id}")
+    tasks = maniskill.task_ids(cfg.env.id)
+    datasets = [load_demos(d) for d in str(demos).split(",")]
+    for where, (summary, arrays) in zip(str(demos).split(","), datasets):
+        if summary["task"] not in tasks:
+            raise ValueError(f"{where}: demonstrations of {summary['task']}, but the config's env.id is {cfg.env.id}")
+        if cfg.env.instruct:  # as the policy sees them: the instruction's words, then the state padded
+            arrays["obs"] = maniskill.instruction_obs(maniskill.tokenize(summary["instruction"]).astype(np.float32),
+                                                      arrays["obs"])
     if cfg.env.norm_obs:
         raise ValueError("behaviour cloning with env.norm_obs=true is not supported yet (the RL run would normalize "
                          "observations the cloned policy never saw normalized); set env.norm_obs=false")
     group = make_env_group(cfg, 1, cfg.run.seed)
     policy = make_policy(cfg, group.observation_space, group.action_space)
     group.close()
-    data = bc_dataset(arrays, summary, chunk=cfg.env.chunk, gamma=cfg.algorithm.gamma, episodes=episodes)
+    parts = [bc_dataset(arrays, summary, chunk=cfg.env.chunk, gamma=cfg.algorithm.gamma, episodes=episodes)
+             for summary, arrays in datasets]
+    data = {k: torch.cat([p[k] for p in parts]) if k != "episodes" else sum(p[k] for p in parts) for k in parts[0]}
     with progress(show) as bar:
         task = bar.add_task("behaviour cloning", total=steps, info="")
         metrics = fit(policy, data, steps, batch_size=batch_size, lr=lr, vf_coef=cfg.algorithm.vf_coef,

@@ -32,6 +32,8 @@ def make_env_group(cfg, num_envs: int, seed: int, training: bool = True, render_
     kwargs = dict(e.kwargs)
     if e.max_episode_steps is not None:
         kwargs["max_episode_steps"] = e.max_episode_steps
+    if e.instruct:
+        kwargs["instruct"] = True
     fns = make_env_fns(e.id, num_envs, seed, pixels=e.pixels, render_mode=render_mode, image_size=e.image_size,
                        **kwargs)
     if wrap is not None:

@@ -24,7 +24,7 @@ from m2flow.workloads.embodied import ActorCritic, build_policy, categorical_log
 def make_policy(cfg, obs_space, action_space) -> ActorCritic:
     """The actor-critic of `cfg.policy` for these spaces, initialized from `run.seed` (the global RNG is left as is)."""
     p = cfg.policy
-    kw = dict(hidden=tuple(p.hidden), activation=p.activation) if p.kind == "mlp" else dict(features_dim=p.features_dim)
+    kw = dict(features_dim=p.features_dim) if p.kind == "cnn" else dict(hidden=tuple(p.hidden), activation=p.activation)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.run.seed)
         policy = build_policy(obs_space, action_space, p.kind, chunk=cfg.env.chunk, log_std_init=p.log_std_init, **kw)

@@ -40,6 +40,10 @@ def check_env_id(env_id: str) -> None:
     task (`maniskill.TASKS`)."""
     if maniskill.is_maniskill(env_id) or ":" in env_id:  # "module:Env-v0" ids register themselves in gym.make
         return
+    if "," in env_id:  # several tasks: each must be one m2flow runs
+        for task in maniskill.task_ids(env_id):
+            check_env_id(task)
+        raise ValueError(f"{env_id!r}: only ManiSkill3 tasks can share an env group ({', '.join(maniskill.TASKS)})")
     # ManiSkill registers all its tasks into gymnasium's registry once imported; m2flow runs those of TASKS
     known = [*(name for name, spec in gym.registry.items() if not maniskill.registered_by_it(spec)), *maniskill.TASKS]
     if env_id in gym.registry and env_id not in known:
@@ -93,8 +97,16 @@ def make_env_fns(
     if maniskill.is_maniskill(env_id):  # SAPIEN, not a gym.make of the registry's defaults
         if pixels:
             raise ValueError(f"{env_id}: pixel observations are not supported for ManiSkill3 tasks yet (state only)")
+        tasks = maniskill.task_ids(env_id)
+        if len(tasks) > 1 and not kwargs.get("instruct"):
+            raise ValueError(f"{env_id}: several tasks in one env group need instruction observations (env.instruct="
+                             f"true: the tasks' states differ in size, and the policy must be told the task)")
         maniskill.check_available()  # a one-line error here rather than in every env's constructor
-        return [functools.partial(_make_maniskill, env_id, render_mode, seed + i, kwargs) for i in range(num_envs)]
+        return [functools.partial(_make_maniskill, tasks[i % len(tasks)], render_mode, seed + i, kwargs)
+                for i in range(num_envs)]
+    if kwargs.get("instruct"):
+        raise ValueError(f"{env_id}: instruction observations (env.instruct) are for the ManiSkill3 tasks "
+                         f"({', '.join(maniskill.TASKS)})")
     is_mujoco = ":" not in env_id and "mujoco" in str(gym.spec(env_id).entry_point)
     if is_mujoco:
         _route_mujoco_warnings()

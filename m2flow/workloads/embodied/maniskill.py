@@ -10,6 +10,8 @@ own Mesa 22 lacks an extension SAPIEN needs).
 from __future__ import annotations
 
 import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
 
 # the task's instruction, as an instruction-conditioned policy reads it
 TASKS = {
@@ -20,13 +22,54 @@ TASKS = {
 CONTROL_MODE = "pd_ee_delta_pos"  # 3 end-effector deltas and the gripper: 4 actions in [-1, 1]
 # the registered limits (50 steps) are too short: the motion-planning expert first succeeds at steps 46-78
 MAX_EPISODE_STEPS = 100
+# instruction-conditioned observations (`instruct=True`): [instruction word ids; state zero-padded to STATE_DIM]
+VOCAB = ["<pad>", "<unk>", *sorted({w for text in TASKS.values() for w in text.split()})]
+INSTRUCTION_TOKENS = 12
+STATE_DIM = 48  # the largest of the tasks' states (StackCube's); the others are zero-padded to it
 EXTRA_HINT = "pip install 'm2flow[maniskill]' (make test installs it)"
 VULKAN_ERROR = ("ManiSkill3 needs a Vulkan device and found none (SAPIEN: 'failed to find a rendering device'); on "
                 "Debian 12 run `make vulkan` (Mesa's software Vulkan driver from bookworm-backports)")
 
 
 def is_maniskill(env_id: str) -> bool:
-    return env_id in TASKS
+    """A ManiSkill3 task m2flow runs, or a comma-separated list of them (multi-task)."""
+    return all(t in TASKS for t in task_ids(env_id))
+
+
+def task_ids(env_id: str) -> list[str]:
+    """The tasks of an env id: one, or several separated by commas (a multi-task group: env i runs task i % n)."""
+    return [t.strip() for t in env_id.split(",")]
+
+
+def tokenize(text: str) -> np.ndarray:
+    """[INSTRUCTION_TOKENS] int64: the words' ids in VOCAB (unknown words 1), padded with 0."""
+    ids = [VOCAB.index(w) if w in VOCAB else 1 for w in text.lower().split()][:INSTRUCTION_TOKENS]
+    return np.array(ids + [0] * (INSTRUCTION_TOKENS - len(ids)), np.int64)
+
+
+class InstructionObservation(gym.ObservationWrapper):
+    """The observation as [instruction word ids; state zero-padded to STATE_DIM], float32: every task then has the
+    same observation space, and one policy reads which task it is doing from the words."""
+
+    def __init__(self, env: gym.Env, text: str):
+        super().__init__(env)
+        self.tokens = tokenize(text).astype(np.float32)
+        state = env.observation_space.shape[0]
+        if state > STATE_DIM:
+            raise ValueError(f"{text!r}: a state of {state} numbers does not fit STATE_DIM={STATE_DIM}")
+        self.observation_space = spaces.Box(-np.inf, np.inf, (INSTRUCTION_TOKENS + STATE_DIM,), np.float32)
+
+    def observation(self, obs):
+        return instruction_obs(self.tokens, obs[None])[0]
+
+
+def instruction_obs(tokens: np.ndarray, states: np.ndarray) -> np.ndarray:
+    """[N, INSTRUCTION_TOKENS + STATE_DIM] float32: each row the instruction's word ids, then its state zero-padded
+    (a dataset's rows as `InstructionObservation` shows them to a policy)."""
+    out = np.zeros((len(states), INSTRUCTION_TOKENS + STATE_DIM), np.float32)
+    out[:, :INSTRUCTION_TOKENS] = tokens
+    out[:, INSTRUCTION_TOKENS:INSTRUCTION_TOKENS + states.shape[1]] = states
+    return out
 
 
 def registered_by_it(spec) -> bool:
@@ -59,11 +102,13 @@ def check_available() -> None:
         raise
 
 
-def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = MAX_EPISODE_STEPS, **kwargs) -> gym.Env:
+def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = MAX_EPISODE_STEPS,
+         instruct: bool = False, **kwargs) -> gym.Env:
     """One ManiSkill3 env with state observations on the CPU backend, as a standard gymnasium env: numpy arrays, no
     batch dimension (`CPUGymWrapper`). obs [D] float32 (42 for PickCube), actions [4] in [-1, 1]; `info["success"]`
-    at every step. An episode terminates when the task succeeds and is truncated after `max_episode_steps`."""
-    instruction(env_id)
+    at every step. An episode terminates when the task succeeds and is truncated after `max_episode_steps`.
+    `instruct`: observations carry the task's instruction (`InstructionObservation`)."""
+    text = instruction(env_id)
     check_available()
     import mani_skill.envs  # noqa: F401  (registers the tasks)
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
@@ -71,5 +116,6 @@ def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = M
     options = dict(obs_mode="state", sim_backend="physx_cpu", control_mode=CONTROL_MODE,
                    render_backend="none" if render_mode is None else "cpu")
     options.update(kwargs)
-    env = gym.make(env_id, num_envs=1, render_mode=render_mode, max_episode_steps=max_episode_steps, **options)
-    return CPUGymWrapper(env)
+    env = CPUGymWrapper(gym.make(env_id, num_envs=1, render_mode=render_mode, max_episode_steps=max_episode_steps,
+                                 **options))
+    return InstructionObservation(env, text) if instruct else env

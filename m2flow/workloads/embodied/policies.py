@@ -193,12 +193,44 @@ class CNNActorCritic(ActorCritic):
         return z, z
 
 
+class InstructActorCritic(MLPActorCritic):
+    """An instruction-conditioned policy for observations [word ids (`tokens`); state] (ManiSkill's
+    `InstructionObservation`): each word is embedded, the instruction's words averaged (padding left out), and the
+    actor and critic MLPs read [that average; state]. With `chunk` it emits k actions per call, as a VLA's action
+    chunk; the head is Gaussian (the actions are continuous end-effector deltas; discretised action tokens, as
+    OpenVLA's, suit a language-model backbone, which this tiny policy is not). A bag of words and not a transformer:
+    the instructions are a handful of fixed sentences, which a lookup tells apart as well."""
+
+    def __init__(self, obs_dim: int, action_space: spaces.Space, tokens: int, vocab: int, embed_dim: int = 16,
+                 **kw):
+        if obs_dim <= tokens:
+            raise ValueError(f"InstructActorCritic: obs of {obs_dim} numbers leave no state after {tokens} word ids")
+        super().__init__(obs_dim - tokens + embed_dim, action_space, **kw)
+        self.tokens, self.vocab = tokens, vocab
+        self.embed = nn.Embedding(vocab, embed_dim, padding_idx=0)
+
+    def features(self, obs):
+        x = torch.as_tensor(obs, device=self._device()).float()
+        ids = x[:, :self.tokens].long()
+        if ids.min() < 0 or ids.max() >= self.vocab:
+            raise ValueError(f"InstructActorCritic: word ids outside [0, {self.vocab}): not instruction observations")
+        words = (ids != 0).float()
+        text = (self.embed(ids) * words[..., None]).sum(1) / words.sum(1, keepdim=True).clamp(min=1.0)
+        return super().features(torch.cat([text, x[:, self.tokens:]], dim=1))
+
+
 def build_policy(obs_space: spaces.Box, action_space: spaces.Space, kind: str = "mlp", **kw) -> ActorCritic:
-    """kind "mlp": MLPActorCritic on the flattened obs; "cnn": CNNActorCritic on [C, H, W] uint8 frames."""
+    """kind "mlp": MLPActorCritic on the flattened obs; "cnn": CNNActorCritic on [C, H, W] uint8 frames; "instruct":
+    InstructActorCritic on ManiSkill's instruction observations."""
     if kind == "mlp":
         return MLPActorCritic(int(np.prod(obs_space.shape)), action_space, **kw)
+    if kind == "instruct":
+        from .maniskill import INSTRUCTION_TOKENS, VOCAB
+
+        return InstructActorCritic(int(np.prod(obs_space.shape)), action_space, tokens=INSTRUCTION_TOKENS,
+                                   vocab=len(VOCAB), **kw)
     if kind == "cnn":
         if len(obs_space.shape) != 3 or obs_space.dtype != np.uint8:
             raise ValueError(f"kind='cnn' needs uint8 [C, H, W] pixel obs (pixels=True), got {obs_space}")
         return CNNActorCritic(tuple(obs_space.shape), action_space, **kw)
-    raise ValueError(f"unknown policy kind {kind!r}; expected 'mlp' or 'cnn'")
+    raise ValueError(f"unknown policy kind {kind!r}; expected mlp | cnn | instruct")

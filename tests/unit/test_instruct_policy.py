@@ -1,0 +1,63 @@
+"""Instruction-conditioned observations and policy (issue 24): ManiSkill envs with `instruct` show [the instruction's
+word ids; the state padded to 48], so three tasks share one observation space, and `InstructActorCritic` reads the
+task from the words."""
+
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+
+from m2flow import config as C
+from m2flow.workloads.embodied import EnvGroup, build_policy, make_env_fns, maniskill
+
+MULTI = "PickCube-v1,PushCube-v1,StackCube-v1"
+
+
+def test_instructions_become_word_ids_padded_to_a_fixed_length():
+    ids = maniskill.tokenize("Pick up the cube and fly")
+    assert ids.shape == (maniskill.INSTRUCTION_TOKENS,) and ids.dtype == np.int64
+    assert [maniskill.VOCAB[i] for i in ids[:5]] == ["pick", "up", "the", "cube", "and"]
+    assert ids[5] == 1 and not ids[6:].any()  # "fly" is unknown; then padding
+    assert len({tuple(maniskill.tokenize(t)) for t in maniskill.TASKS.values()}) == 3
+
+
+def test_a_multi_task_group_shows_each_env_its_instruction_and_a_padded_state():
+    g = EnvGroup(make_env_fns(MULTI, 3, seed=0, instruct=True), env_id=MULTI)
+    obs = g.reset(seed=0)
+    k = maniskill.INSTRUCTION_TOKENS
+    assert obs.shape == (3, k + maniskill.STATE_DIM)
+    for i, task in enumerate(MULTI.split(",")):  # env i runs task i % 3
+        assert obs[i, :k].tolist() == maniskill.tokenize(maniskill.TASKS[task]).tolist()
+    assert not obs[0, k + 42:].any() and not obs[1, k + 35:].any() and obs[2, k + 42:].any()  # 42, 35, 48 numbers
+    g.close()
+    with pytest.raises(ValueError, match="need instruction observations"):
+        make_env_fns(MULTI, 3)
+    with pytest.raises(ValueError, match="instruction observations .* are for the ManiSkill3 tasks"):
+        make_env_fns("CartPole-v1", 1, instruct=True)
+
+
+def test_the_policy_acts_on_the_instruction():
+    k, state = maniskill.INSTRUCTION_TOKENS, maniskill.STATE_DIM
+    torch.manual_seed(0)
+    policy = build_policy(spaces.Box(-np.inf, np.inf, (k + state,)), spaces.Box(-1, 1, (4,)), kind="instruct",
+                          hidden=(32, 32), activation="tanh", chunk=2)
+    x = torch.randn(1, state).repeat(3, 1)  # one state, three instructions
+    words = torch.tensor(np.stack([maniskill.tokenize(t) for t in maniskill.TASKS.values()]), dtype=torch.float32)
+    obs = torch.cat([words, x], dim=1)
+    with torch.no_grad():
+        actions = policy.act(obs, deterministic=True)[0]
+    assert actions.shape == (3, 2, 4)  # a chunk of 2 actions each
+    assert not torch.allclose(actions[0], actions[1]) and not torch.allclose(actions[1], actions[2])
+    logprob, _, value = policy.evaluate(obs, actions)
+    (logprob.sum() + value.sum()).backward()
+    assert policy.embed.weight.grad[maniskill.VOCAB.index("stack")].abs().sum() > 0  # the words learn
+    assert policy.embed.weight.grad[0].abs().sum() == 0  # padding does not
+    with pytest.raises(ValueError, match="word ids outside"):
+        policy.act(torch.cat([words.neg() - 1, x], dim=1))
+
+
+def test_the_policy_and_the_observations_go_together():
+    with pytest.raises(C.ConfigError, match="policy.kind=instruct and env.instruct=true go together"):
+        C.load(C.EmbodiedConfig, "ppo_pickcube", ["policy.kind=instruct"])
+    cfg = C.load(C.EmbodiedConfig, "ppo_pickcube", [f"env.id={MULTI}", "env.instruct=true", "policy.kind=instruct"])
+    assert cfg.env.id == MULTI
