@@ -827,6 +827,9 @@ class EmbodiedConfig:
     def validate(self, where: str) -> None:
         if self.policy.kind == "cnn" and not self.env.pixels:
             raise ConfigError("policy.kind=cnn needs env.pixels=true (frames as observations)")
+        if "," in self.env.id and self.env.seed_groups > 1:
+            raise ConfigError("env.seed_groups > 1 with several tasks in env.id is not supported yet (a group of envs "
+                              "sharing a reset seed would mix tasks)")
         if (self.policy.kind == "instruct") != self.env.instruct:
             raise ConfigError("policy.kind=instruct and env.instruct=true go together (the policy reads the "
                               "instruction the observations carry)")

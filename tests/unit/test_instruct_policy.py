@@ -61,3 +61,5 @@ def test_the_policy_and_the_observations_go_together():
         C.load(C.EmbodiedConfig, "ppo_pickcube", ["policy.kind=instruct"])
     cfg = C.load(C.EmbodiedConfig, "ppo_pickcube", [f"env.id={MULTI}", "env.instruct=true", "policy.kind=instruct"])
     assert cfg.env.id == MULTI
+    with pytest.raises(C.ConfigError, match="would mix tasks"):
+        C.load(C.EmbodiedConfig, "ppo_maniskill3", ["algorithm.name=grpo", "env.seed_groups=2"])
