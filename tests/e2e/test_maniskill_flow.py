@@ -12,7 +12,8 @@ import pytest
 from m2flow import config as C
 from m2flow.flows.embodied import behaviour_clone, train
 
-DEMOS = Path(__file__).resolve().parents[1] / "fixtures" / "demos" / "PickCube-v1"  # 50 expert episodes
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "demos"
+DEMOS = FIXTURES / "PickCube-v1"  # 50 expert episodes (PushCube-v1 and StackCube-v1: 10 each)
 
 
 def run(cluster, tmp_path, name, *overrides):
@@ -54,3 +55,22 @@ def test_embodied_grpo_scores_pickcube_groups_by_success(cluster, tmp_path):
                   "cluster.placement=env,rollout,actor: 0")
     assert len(rows) == 2 and all(r["rollout/episodes"] == 4 for r in rows)
     assert all(0.0 <= r["rollout/success_once"] <= 1.0 for r in rows)
+
+
+def test_one_instruction_conditioned_policy_clones_three_tasks_and_trains_on_them(cluster, tmp_path):
+    """ppo_maniskill3: envs 0, 1, 2 run PickCube, PushCube and StackCube, their observations carrying the
+    instruction; one policy is cloned from the three datasets, evaluated per task, and PPO trains it on all three."""
+    cfg = C.load(C.EmbodiedConfig, "ppo_maniskill3", ["eval.episodes=3", "eval.num_envs=3"])
+    demos = ",".join(str(FIXTURES / task) for task in cfg.env.id.split(","))
+    bc = behaviour_clone(cfg, demos, tmp_path / "bc", steps=200, episodes=10, show=False)
+    assert bc["demo_episodes"] == 10 + 10 + 7  # the first 10 of each; the failed StackCube ones left out
+    assert sorted(k for k in bc["eval"] if k.startswith("success_rate/")) == [
+        "success_rate/PickCube-v1", "success_rate/PushCube-v1", "success_rate/StackCube-v1"]
+    result = train(C.load(C.EmbodiedConfig, "ppo_maniskill3", [
+        f"run.dir={tmp_path}", "run.name=multi", "run.progress=false", "run.steps=2", "eval.episodes=3",
+        "eval.num_envs=3", "env.num_envs=3", "env.max_episode_steps=20", "rollout.steps=20",
+        "actor.minibatch_size=30", "actor.epochs=1", f"policy.init={tmp_path / 'bc'}",
+        "cluster.placement=env,rollout,actor: 0"]), cluster)
+    rows = [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
+    assert [r["rollout/episodes"] for r in rows] == [3, 3] and rows[-1]["env_steps"] == 120
+    assert set(result["eval"]) >= {"success_rate/PickCube-v1", "success_rate/PushCube-v1", "success_rate/StackCube-v1"}
