@@ -28,6 +28,7 @@ from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
 from m2flow.workers.env import EnvWorker, make_env_group, video_recorder, wait_rollout
 from m2flow.workers.policy import PolicyWorker, make_policy
 from m2flow.workers.sync import finish_sync, start_sync, sync_weights
+from m2flow.workloads.embodied import maniskill
 
 COMPONENTS = ["env", "rollout", "actor"]
 PLOTS = {
@@ -226,12 +227,12 @@ def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | N
     flags = [e["success_once"] for e in found if "success_once" in e]
     if flags:
         out["success_rate"] = float(np.mean(flags))
-    tasks = cfg.env.id.split(",")
+    tasks = maniskill.task_ids(cfg.env.id)
     if len(tasks) > 1 and flags:  # a multi-task group: env i ran task i % n
         for t, task in enumerate(tasks):
             mine = [e["success_once"] for e in found if e["env_index"] % len(tasks) == t]
             if mine:
-                out[f"success_rate/{task.strip()}"] = float(np.mean(mine))
+                out[f"success_rate/{task}"] = float(np.mean(mine))
     if video_dir:
         out["video_dir"] = str(video_dir)
     return out
@@ -246,7 +247,6 @@ def behaviour_clone(cfg: EmbodiedConfig, demos: str | Path, out: str | Path, ste
     demos used) and eval.json (`cfg.eval.episodes` deterministic episodes from held-out seeds). In this process."""
     from safetensors.torch import save_file
 
-    from m2flow.workloads.embodied import maniskill
     from m2flow.workloads.embodied.bc import bc_dataset, fit
     from m2flow.workloads.embodied.experts import load_demos
 

@@ -55,6 +55,16 @@ class _Expert:
             self.phase, self.waited = self.phase + 1, 0
         return _toward(tcp, tcp, grip)
 
+    def _grasp(self, tcp, obj) -> np.ndarray | None:
+        """Phases 0-2: above `obj`, down to it, close the gripper; None once it holds it (phase 3 on)."""
+        if self.phase == 0:
+            return self._reach(tcp, obj + [0, 0, 0.05], OPEN)
+        if self.phase == 1:
+            return self._reach(tcp, obj, OPEN, tol=0.005)
+        if self.phase == 2:
+            return self._grip(tcp, CLOSED)
+        return None
+
 
 class PickCubeExpert(_Expert):
     """Above the cube, down, close, carry it to the goal."""
@@ -62,13 +72,8 @@ class PickCubeExpert(_Expert):
     def act(self) -> np.ndarray:
         b = self.base
         tcp, cube, goal = _p(b.agent.tcp), _p(b.cube), _p(b.goal_site)
-        if self.phase == 0:
-            return self._reach(tcp, cube + [0, 0, 0.05], OPEN)
-        if self.phase == 1:
-            return self._reach(tcp, cube, OPEN, tol=0.005)
-        if self.phase == 2:
-            return self._grip(tcp, CLOSED)
-        return _toward(tcp, goal, CLOSED)
+        grasping = self._grasp(tcp, cube)
+        return grasping if grasping is not None else _toward(tcp, goal, CLOSED)
 
 
 class PushCubeExpert(_Expert):
@@ -92,15 +97,11 @@ class StackCubeExpert(_Expert):
     def act(self) -> np.ndarray:
         b = self.base
         tcp, a, bb = _p(b.agent.tcp), _p(b.cubeA), _p(b.cubeB)
-        h = float(np.asarray(b.cube_half_size.cpu() if hasattr(b.cube_half_size, "cpu") else b.cube_half_size)
-                  .reshape(-1)[-1])
+        h = float(b.cube_half_size[-1])  # a tensor of the three half sizes
         on_b = bb + [0, 0, 2 * h]
-        if self.phase == 0:
-            return self._reach(tcp, a + [0, 0, 0.05], OPEN)
-        if self.phase == 1:
-            return self._reach(tcp, a, OPEN, tol=0.005)
-        if self.phase == 2:
-            return self._grip(tcp, CLOSED)
+        grasping = self._grasp(tcp, a)
+        if grasping is not None:
+            return grasping
         if self.phase == 3:  # straight up, clear of cube B
             target = np.array([tcp[0], tcp[1], on_b[2] + 0.05])
             if abs(tcp[2] - target[2]) < 0.01:

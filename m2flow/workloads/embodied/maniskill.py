@@ -9,6 +9,8 @@ own Mesa 22 lacks an extension SAPIEN needs).
 
 from __future__ import annotations
 
+import functools
+
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
@@ -87,6 +89,7 @@ def instruction(env_id: str) -> str:
     return TASKS[env_id]
 
 
+@functools.cache  # once per process (each env's constructor asks): only a success is kept
 def check_available() -> None:
     """Raise a one-line error when the extra is missing or no Vulkan device is found."""
     try:
