@@ -269,6 +269,27 @@ def _reset_process() -> bool:
     return not joined
 
 
+# Keys every worker process starts with (placeholders until `construct` sets them), so that setting them later
+# replaces a value in place. Adding a key to a running process reallocates libc's environ array, and Ray's own
+# threads read it (getenv) at any time: a read of the freed array crashed a worker with SIGSEGV.
+_LATE_ENV = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+
+
+def _start_env(env: dict[str, str]) -> dict:
+    """The runtime_env of a new worker process: it starts with `env` (and `_LATE_ENV`) in its environment."""
+    return {"env_vars": _LATE_ENV | env}
+
+
+def _set_environ(target: dict[str, str]) -> None:
+    """Make os.environ equal `target`, touching only the keys that differ (never `os.environ.clear()`: see
+    `_LATE_ENV`)."""
+    for key in [k for k in os.environ if k not in target]:
+        del os.environ[key]
+    for key, value in target.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def _role_title(workers: dict) -> str:
     """A worker process's title: `m2flow:actor:0`, co-hosted workers joined (`m2flow:rollout:0+reward:0`),
     `m2flow:idle` for a process kept between runs."""
@@ -299,7 +320,7 @@ class _Host:
     group placed here: the group that started the process and any co-hosted with it), keyed by group uid."""
 
     def __init__(self, env: dict[str, str], cores: list[int], pin: bool):
-        self.base_env = dict(os.environ)
+        self.base_env = dict(os.environ)  # `env` is in it already: the process started with it (_start_env)
         self.workers: dict[str, Worker] = {}
         self._bind(env, cores, pin)
         threading.Thread(target=_keep_title, args=(self.workers,), daemon=True, name="m2flow-title").start()
@@ -307,8 +328,7 @@ class _Host:
     def _bind(self, env: dict[str, str], cores: list[int], pin: bool) -> None:
         import torch
 
-        os.environ.clear()
-        os.environ.update(self.base_env | env)
+        _set_environ(self.base_env | env)
         if pin:
             _pin_process(cores)
         torch.set_num_threads(max(len(cores), 1))
@@ -350,7 +370,7 @@ class _Host:
 
     @ray.method(concurrency_group="user")
     def construct(self, uid: str, worker_cls, attrs: dict, env: dict[str, str], args, kwargs) -> tuple:
-        os.environ.update(env)
+        _set_environ(dict(os.environ) | env)
         worker = worker_cls.__new__(worker_cls)
         worker.__dict__.update(attrs)
         out = _run(worker.__init__, *args, **kwargs)
@@ -612,7 +632,8 @@ class Group:
             actor = _reused_host(cluster, _process_key(devs), (name, rank), proc_env, cores, devs[0].kind == "cpu")
             if actor is None:
                 actor = (_Host.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                                       max_restarts=0, name=f"m2flow:{name}:{rank}:{uuid.uuid4().hex[:8]}")
+                                       max_restarts=0, name=f"m2flow:{name}:{rank}:{uuid.uuid4().hex[:8]}",
+                                       runtime_env=_start_env(proc_env))
                          .remote(proc_env, cores, devs[0].kind == "cpu"))
                 cluster.started_process(actor, (name, rank))
             actors.append(actor)

@@ -158,6 +158,13 @@ def test_process_is_bound_to_its_device(cluster, calc):
         assert info["env"]["RANK"] == str(rank) and info["env"]["WORLD_SIZE"] == "2"
         assert info["env"]["LOCAL_RANK"] == str(rank) and info["env"]["M2FLOW_COMPONENT"] == "calc"
         assert info["pid"] != os.getpid()
+        assert info["env"]["MASTER_ADDR"] == calc.info().wait()[0]["node_ip"]
+        # the process started with every key m2flow sets (set later, a new key reallocates libc's environ array while
+        # Ray's threads read it: a worker died of SIGSEGV in getenv)
+        started_with = {kv.split(b"=", 1)[0].decode() for kv in open(f"/proc/{info['pid']}/environ", "rb").read()
+                        .split(b"\0") if kv}
+        assert {"RANK", "WORLD_SIZE", "LOCAL_RANK", "M2FLOW_COMPONENT", "OMP_NUM_THREADS", "MASTER_ADDR",
+                "MASTER_PORT"} <= started_with
 
 
 def title_of(pid: int, want: str, within: float = 5.0) -> str:
