@@ -21,16 +21,39 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def cluster():
-    """A `Cluster(cpu_devices=2)` shared by every test that needs Ray; shut down at the end of the session."""
-    from m2flow.runtime import Cluster
-
-    # Worker processes import the Worker classes that tests define by module name (`test_group`, ...):
-    # give them the test directories that pytest put on the driver's sys.path.
+def _worker_pythonpath() -> None:
+    """Worker processes import the Worker classes that tests define by module name (`test_group`, ...): give them
+    the test directories that pytest put on the driver's sys.path."""
     test_dirs = [p for p in sys.path if p and Path(p).resolve().is_relative_to(TESTS)]
     test_dirs.append(str(TESTS.parent / "examples"))  # the example flows (tests/e2e/test_custom_flow.py)
-    os.environ["PYTHONPATH"] = os.pathsep.join([*test_dirs, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    c = Cluster(cpu_devices=2)
+    parts = [*test_dirs, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in parts if p))
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A `Cluster(cpu_devices=2)` shared by every test that needs Ray; shut down at the end of the session. Its
+    devices are CPU slots also on a machine with GPUs (the tests marked `cuda` use `gpu_cluster`)."""
+    from m2flow.runtime import Cluster
+
+    _worker_pythonpath()
+    c = Cluster(cpu_devices=2, use_gpus=False)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="session")
+def gpu_cluster():
+    """A Cluster whose devices are this machine's GPUs (for the tests marked `cuda`)."""
+    import torch
+
+    from m2flow.runtime import Cluster
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _worker_pythonpath()
+    c = Cluster()
+    if c.devices[0].kind != "gpu":
+        pytest.skip(f"Ray sees no GPU on this node (devices: {c.devices})")
     yield c
     c.shutdown()

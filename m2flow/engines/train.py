@@ -231,7 +231,7 @@ def shared_prompt_logits(model, batch: dict[str, torch.Tensor]) -> list[SharedPa
     S = int(shared_len.max())
     if S <= 0:
         return None
-    cols_s = torch.arange(S)
+    cols_s = torch.arange(S, device=ids.device)  # the batch's device (a worker moves it to its GPU)
     shared_mask = cols_s < shared_len[:, None]
     keys = torch.cat([torch.where(shared_mask, ids[:, :S], 0), shared_len[:, None]], 1)
     distinct, row_of = torch.unique(keys, dim=0, return_inverse=True)
@@ -252,7 +252,7 @@ def shared_prompt_logits(model, batch: dict[str, torch.Tensor]) -> list[SharedPa
         for layer, (k, v) in enumerate(shared):
             cache.update(k[pick], v[pick], layer)
         T = int(width[rows].max())
-        j = torch.arange(T)
+        j = torch.arange(T, device=ids.device)
         valid = j < width[rows, None]
         pos = shared_len[rows, None] + j
         cols = pos.clamp(max=L - 1)  # clamped columns are padding (not valid)

@@ -191,6 +191,15 @@ class Worker:
 
         return torch.device("cuda", 0) if self._device_kind == "gpu" else torch.device("cpu")
 
+    def device_memory_gb(self) -> float | None:
+        """The most memory this rank's GPU has held for this process's tensors so far, in GiB (torch's caching
+        allocator, `max_memory_allocated`); None on CPU devices."""
+        import torch
+
+        if self.torch_device.type != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(self.torch_device) / 2**30
+
     @property
     def _offload_dir(self) -> str:
         base = self.run_dir or os.path.join(tempfile.gettempdir(), "m2flow")

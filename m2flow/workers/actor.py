@@ -154,6 +154,8 @@ class ActorWorker(PublishesWeights, Worker):
                     "actor/nonfinite_skipped": self.skipped, "actor/forward_tokens": self.forward_tokens,
                     "actor/staleness_mean": float(kept.float().mean()) if len(kept) else 0.0,
                     "actor/staleness_max": int(kept.max()) if len(kept) else 0})
+        if (memory := self.device_memory_gb()) is not None:
+            out["actor/max_memory_gb"] = memory
         return out
 
     def _count_tokens(self, module, inputs, output) -> None:

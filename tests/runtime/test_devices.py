@@ -46,10 +46,8 @@ class Mover(Worker):
 
 
 @pytest.mark.cuda
-def test_on_a_gpu_a_worker_computes_there_and_its_tensors_reach_other_processes_through_host_memory(cluster):
-    if cluster.devices[0].kind != "gpu":
-        pytest.skip("the cluster's devices are CPU slots (Ray sees no GPU)")
-    group = Mover.launch(cluster, parse_placement("mover: 0", cluster.num_devices)["mover"])
+def test_on_a_gpu_a_worker_computes_there_and_its_tensors_reach_other_processes_through_host_memory(gpu_cluster):
+    group = Mover.launch(gpu_cluster, parse_placement("mover: 0", gpu_cluster.num_devices)["mover"])
     try:
         assert group.where().wait() == ["cuda:0"]
         channel = Channel.create(f"cuda-tensors-{uuid.uuid4().hex[:8]}")
@@ -61,8 +59,7 @@ def test_on_a_gpu_a_worker_computes_there_and_its_tensors_reach_other_processes_
 
 
 @pytest.mark.cuda
-def test_on_a_gpu_offload_moves_state_to_pinned_host_memory_and_back_bit_for_bit(monkeypatch):
-    monkeypatch.setenv("M2FLOW_UNTESTED_GPU_OFFLOAD", "1")
+def test_on_a_gpu_offload_moves_state_to_pinned_host_memory_and_back_bit_for_bit():
     model = torch.nn.Linear(64, 64).cuda()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     offload_state({"model": model}, "gpu", "unused")
