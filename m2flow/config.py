@@ -730,8 +730,13 @@ class PolicyConfig:
     init: str = opt("", "start from this checkpoint's policy (a directory holding policy.safetensors: an embodied "
                         "run's checkpoint, or behaviour cloning's `m2flow sft CONFIG OUT --demos DIR`); empty: random "
                         "init")
+    init_std_scale: float = opt(1.0, "with policy.init: multiply the loaded Gaussian policy's std by this before RL "
+                                     "starts (a cloned policy's std fits the demonstrations' residuals; sampling at it "
+                                     "can fail where the mean succeeds)")
 
     def validate(self, where: str) -> None:
+        if not self.init_std_scale > 0:
+            raise ConfigError(f"{where}.init_std_scale must be > 0, got {self.init_std_scale}")
         if self.kind not in ("mlp", "cnn", "instruct"):
             raise ConfigError(f"{where}.kind must be mlp | cnn | instruct, got '{self.kind}'")
         if self.activation not in ("tanh", "relu", "gelu", "elu"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -100,9 +101,9 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
             grad_norms.append(norm)
             optimizer.step()
             stats.append(s)
-            if alg.target_kl is not None and float(s[3]) > 1.5 * alg.target_kl:
-                stop = True
-                break
+            if alg.target_kl is not None and mean_over_ranks(s[3], allreduce) > 1.5 * alg.target_kl:
+                stop = True  # on the ranks' mean KL: every rank stops at the same minibatch (else the others
+                break  # would wait in the next all-reduce for ever)
         if stop:
             break
     means = torch.stack(stats).mean(0).tolist() if stats else [0.0] * len(STATS)
@@ -114,6 +115,15 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
                 "actor/clip": clip, "actor/updates": len(stats), "actor/early_stop": float(stop),
                 "actor/advantage_mean": float(data[4].mean())})
     return out
+
+
+def mean_over_ranks(value: torch.Tensor, allreduce: Callable[[torch.Tensor], None] | None) -> float:
+    """A scalar averaged over the actor ranks with `allreduce` (None: one rank, the value itself)."""
+    if allreduce is None:
+        return float(value)
+    buf = value.detach().reshape(1).clone()
+    allreduce(buf)
+    return float(buf)
 
 
 def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -142,6 +152,9 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
         self.policy = make_policy(cfg, obs_space, action_space).train()
         if cfg.policy.init:  # e.g. a behaviour-cloned policy; the first weight sync hands it to the rollout
             load_policy(self.policy, Path(cfg.policy.init))
+            if cfg.policy.init_std_scale != 1.0 and hasattr(self.policy, "log_std"):
+                with torch.no_grad():
+                    self.policy.log_std += math.log(cfg.policy.init_std_scale)
         torch.distributions.Distribution.set_default_validate_args(False)  # argument checks cost ~10% of a step
         # fused Adam: one kernel per step instead of ~13 small ops per tensor (15% of a small MLP's update on CPU)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.actor.lr, eps=cfg.actor.adam_eps, fused=True)

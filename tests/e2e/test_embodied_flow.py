@@ -71,6 +71,20 @@ def test_cartpole_ppo_preset_reaches_475(cluster, tmp_path):
     assert (last / "policy.safetensors").exists() and (last / "COMPLETE").exists()
 
 
+def test_target_kl_stops_every_actor_rank_at_the_same_minibatch(cluster, tmp_path):
+    """`algorithm.target_kl` decides on the ranks' mean KL (`mean_over_ranks`), the KL one rank over the same data
+    decides on: a 2-rank actor stops where one rank stops. (Where each rank decided on its own share's KL, a rank that
+    stopped alone left the other waiting in its next all-reduce: a PickCube run hung so.)"""
+    common = dict(algorithm={"target_kl": 1e-4}, actor={"epochs": 4, "minibatch_size": 32, "lr": 3e-3},
+                  run={"trace": False})
+    one = rows(train(cfg_for(tmp_path, "one", cluster={"placement": "env,rollout,actor: 0"}, **common), cluster))
+    two = rows(train(cfg_for(tmp_path, "two", cluster={"placement": "env,rollout,actor: 0-1"}, **common), cluster))
+    for a, b in zip(one, two, strict=True):
+        assert a["actor/early_stop"] == b["actor/early_stop"] == 1.0
+        assert a["actor/updates"] == b["actor/updates"] < 4 * 256 // 32  # stopped before the last minibatch
+        assert a["actor/approx_kl"] == pytest.approx(b["actor/approx_kl"], rel=1e-3)
+
+
 def test_hybrid_pipelined_run_matches_lockstep_and_its_trace_shows_overlap(cluster, tmp_path):
     """The same driver, by config alone: collocated lockstep, hybrid (envs on device 0, policy on 1, 2 stages,
     a 2-rank data-parallel actor) and lockstep on both devices rank by rank (env r, policy r and actor rank r in one

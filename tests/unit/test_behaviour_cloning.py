@@ -38,3 +38,32 @@ def test_fitting_raises_the_likelihood_of_the_demonstrated_actions_and_fits_the_
     with torch.no_grad():
         mean = policy.act(data["obs"], deterministic=True)[0][:, 0]
     assert mean.tolist() == pytest.approx(data["actions"][:, 0].tolist(), abs=0.05)
+
+
+def test_rl_from_a_cloned_policy_starts_at_its_std_times_init_std_scale(tmp_path):
+    """`policy.init` loads the cloned policy into the actor; `policy.init_std_scale` narrows its exploration (the
+    std BC fitted to the demonstrations' residuals), leaving the mean and the critic as cloned."""
+    from safetensors.torch import save_file
+
+    from m2flow import config as C
+    from m2flow.workers.embodied_actor import EmbodiedActorWorker
+    from m2flow.workers.policy import make_policy
+
+    cfg = C.load(C.EmbodiedConfig, "ppo_pickcube", [])
+    obs_space, action_space = spaces.Box(-np.inf, np.inf, (42,)), spaces.Box(-1, 1, (4,))
+    cloned = make_policy(cfg, obs_space, action_space)
+    with torch.no_grad():
+        cloned.log_std.fill_(-1.0)
+    save_file(cloned.state_dict(), str(tmp_path / "policy.safetensors"))
+
+    def actor(*overrides):
+        return EmbodiedActorWorker(C.load(C.EmbodiedConfig, "ppo_pickcube", [f"policy.init={tmp_path}", *overrides]),
+                                   obs_space, action_space).policy
+
+    assert actor().log_std.tolist() == pytest.approx([-1.0] * 4)
+    narrowed = actor("policy.init_std_scale=0.25")
+    assert narrowed.log_std.exp().tolist() == pytest.approx([0.25 * np.exp(-1.0)] * 4)
+    same = {k: v for k, v in cloned.state_dict().items() if k != "log_std"}
+    assert all(torch.equal(narrowed.state_dict()[k], v) for k, v in same.items())
+    with pytest.raises(C.ConfigError, match="policy.init_std_scale must be > 0, got 0.0"):
+        C.load(C.EmbodiedConfig, "ppo_pickcube", ["policy.init_std_scale=0"])

@@ -49,6 +49,23 @@ def test_the_env_group_reports_success_for_the_experts_demos_and_failure_for_ran
     g.close()
 
 
+def test_with_ignore_terminations_an_episode_runs_on_past_success_to_the_step_limit():
+    """`env.kwargs.ignore_terminations=true` (ManiSkill's option): the expert's episode does not end at its success;
+    it runs to the step limit (here 40), and the episode still counts as successful once."""
+    summary, demos = experts.load_demos(FIXTURE)
+    episode = summary["episodes"][0]
+    g = EnvGroup(make_env_fns("PickCube-v1", 1, max_episode_steps=40, ignore_terminations=True), env_id="PickCube-v1")
+    g.reset(seed=episode["seed"])
+    actions = demos["actions"][demos["episode"] == 0]
+    for t in range(40):
+        g.step(actions[min(t, len(actions) - 1)][None])  # past the demo: its last action again
+        if t + 1 == episode["length"]:
+            assert g.pop_episodes() == []  # succeeded here, did not end
+    [ep] = g.pop_episodes()
+    assert ep["length"] == 40 and ep["success_once"] and episode["length"] < 40
+    g.close()
+
+
 @pytest.mark.parametrize("task,obs_dim", [("PickCube-v1", 42), ("PushCube-v1", 35), ("StackCube-v1", 48)])
 def test_every_task_resets_from_its_seed_and_its_expert_solves_it(task, obs_dim):
     g = group(task, n=2)

@@ -106,11 +106,13 @@ def check_available() -> None:
 
 
 def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = MAX_EPISODE_STEPS,
-         instruct: bool = False, **kwargs) -> gym.Env:
+         instruct: bool = False, ignore_terminations: bool = False, **kwargs) -> gym.Env:
     """One ManiSkill3 env with state observations on the CPU backend, as a standard gymnasium env: numpy arrays, no
     batch dimension (`CPUGymWrapper`). obs [D] float32 (42 for PickCube), actions [4] in [-1, 1]; `info["success"]`
     at every step. An episode terminates when the task succeeds and is truncated after `max_episode_steps`.
-    `instruct`: observations carry the task's instruction (`InstructionObservation`)."""
+    `instruct`: observations carry the task's instruction (`InstructionObservation`). `ignore_terminations`: an
+    episode runs to its step limit whatever happens (ManiSkill's own option; its PPO baseline trains so), and a dense
+    reward keeps paying for staying at the goal, where ending on success would stop it."""
     text = instruction(env_id)
     check_available()
     import mani_skill.envs  # noqa: F401  (registers the tasks)
@@ -120,5 +122,5 @@ def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = M
                    render_backend="none" if render_mode is None else "cpu")
     options.update(kwargs)
     env = CPUGymWrapper(gym.make(env_id, num_envs=1, render_mode=render_mode, max_episode_steps=max_episode_steps,
-                                 **options))
+                                 **options), ignore_terminations=ignore_terminations)
     return InstructionObservation(env, text) if instruct else env
