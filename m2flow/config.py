@@ -798,10 +798,14 @@ class EmbodiedActorConfig:
                                  "(drop that update, count it in actor/nonfinite_skipped)")
     max_weight_growth: float = opt(2.0, "stop when one training step multiplies the norm of the weights by more than "
                                         "this (a learning rate far too high wrecks a model without any NaN); 0: off")
+    critic_warmup: int = opt(0, "the first N iterations train the value function only, the policy held as it is (a "
+                                "cloned policy's critic learns the RL returns before its advantages steer the policy)")
 
     def validate(self, where: str) -> None:
         if self.epochs < 1 or self.minibatch_size < 1 or self.lr <= 0:
             raise ConfigError(f"{where}: epochs and minibatch_size must be >= 1 and lr > 0")
+        if self.critic_warmup < 0:
+            raise ConfigError(f"{where}.critic_warmup must be >= 0, got {self.critic_warmup}")
         _validate_nonfinite(self, where)
 
 

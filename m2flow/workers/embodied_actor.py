@@ -176,6 +176,9 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
         with self.device_phase("train", step):
             start = time.perf_counter()
             adv, returns, mask = advantages(traj, self.cfg, scores)
+            warmup = step < self.cfg.actor.critic_warmup
+            if warmup:  # no advantage, no policy gradient: the updates fit the value function alone
+                adv = torch.zeros_like(adv)
             frac = 1.0 - step / max(self.cfg.run.steps, 1)
             limit = self.cfg.actor.max_weight_growth
             before = math.sqrt(sum_of_squares(self.policy.parameters())) if limit else 0.0
@@ -186,6 +189,7 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
                 check_weight_growth(before, math.sqrt(sum_of_squares(self.policy.parameters())), limit,
                                     self.cfg.actor.lr)
             out["time/update"] = time.perf_counter() - start
+            out["actor/critic_warmup"] = float(warmup)
         if scores is not None:
             out["grpo/score_mean"] = float(scores.mean())
         self.version += 1

@@ -453,3 +453,30 @@ def test_gradients_accumulate_into_one_flat_buffer_and_clip_like_torch():
     torch.testing.assert_close(norm, expected)
     for p, r in zip(net.parameters(), ref):
         torch.testing.assert_close(p.grad, r.grad)
+
+
+def test_critic_warmup_iterations_train_the_value_function_alone():
+    """`actor.critic_warmup=N`: iterations 0..N-1 leave the policy as it is and fit the critic; then both train."""
+    cfg = make_cfg(actor={"critic_warmup": 1})
+    env = EnvWorker(cfg)
+    policy, box = PolicyWorker(cfg, *env.spaces()), Inbox()
+    env.rollout(LocalPolicy(policy), box, cfg.rollout.steps, 0, 1)
+    item = box.items.pop()
+    actor = EmbodiedActorWorker(cfg, *env.spaces())
+
+    def snapshot():
+        return {k: v.clone() for k, v in actor.policy.state_dict().items()}
+
+    def moved(before, after):
+        return {k for k in before if not torch.equal(before[k], after[k])}
+
+    start = snapshot()
+    metrics = actor.train(Inbox.of(item), 0, 1)
+    warm = snapshot()
+    assert metrics["actor/critic_warmup"] == 1.0 and metrics["actor/pg_loss"] == 0.0 and metrics["actor/updates"] > 0
+    assert moved(start, warm) and all(k.startswith("critic") for k in moved(start, warm)), moved(start, warm)
+    metrics = actor.train(Inbox.of(item), 1, 1)
+    assert metrics["actor/critic_warmup"] == 0.0
+    assert any(k.startswith("actor") for k in moved(warm, snapshot()))
+    with pytest.raises(C.ConfigError, match="actor.critic_warmup must be >= 0, got -1"):
+        make_cfg(actor={"critic_warmup": -1})
