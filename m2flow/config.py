@@ -798,14 +798,26 @@ class EmbodiedActorConfig:
                                  "(drop that update, count it in actor/nonfinite_skipped)")
     max_weight_growth: float = opt(2.0, "stop when one training step multiplies the norm of the weights by more than "
                                         "this (a learning rate far too high wrecks a model without any NaN); 0: off")
-    critic_warmup: int = opt(0, "the first N iterations train the value function only, the policy held as it is (a "
-                                "cloned policy's critic learns the RL returns before its advantages steer the policy)")
+    critic_warmup: int = opt(0, "the first N iterations train the value function only, the policy held as it is "
+                                "(its std too where algorithm.ent_coef is 0): a cloned policy's critic learns the RL "
+                                "returns before its advantages steer the policy")
+    bc_coef: float = opt(0.0, "a behaviour-cloning term beside the RL loss, as DAPG: bc_coef x the negative "
+                              "log-likelihood of a minibatch of demonstrated actions (actor.bc_demos) in every "
+                              "update; 0: off")
+    bc_decay: float = opt(1.0, "bc_coef is multiplied by this after every iteration (DAPG decays it: RL takes over)")
+    bc_demos: str = opt("", "the demonstrations of actor.bc_coef (`m2flow demos` directories; comma-separated, one "
+                            "per task of a multi-task env.id)")
 
     def validate(self, where: str) -> None:
         if self.epochs < 1 or self.minibatch_size < 1 or self.lr <= 0:
             raise ConfigError(f"{where}: epochs and minibatch_size must be >= 1 and lr > 0")
         if self.critic_warmup < 0:
             raise ConfigError(f"{where}.critic_warmup must be >= 0, got {self.critic_warmup}")
+        if self.bc_coef < 0 or not 0 < self.bc_decay <= 1:
+            raise ConfigError(f"{where}.bc_coef must be >= 0 and {where}.bc_decay in (0, 1], got {self.bc_coef} and "
+                              f"{self.bc_decay}")
+        if self.bc_coef > 0 and not self.bc_demos:
+            raise ConfigError(f"{where}.bc_coef > 0 needs {where}.bc_demos (a `m2flow demos` directory)")
         _validate_nonfinite(self, where)
 
 
@@ -842,5 +854,8 @@ class EmbodiedConfig:
         if (self.policy.kind == "instruct") != self.env.instruct:
             raise ConfigError("policy.kind=instruct and env.instruct=true go together (the policy reads the "
                               "instruction the observations carry)")
+        if self.actor.bc_coef > 0 and self.env.norm_obs:
+            raise ConfigError("actor.bc_coef with env.norm_obs=true is not supported yet (the demonstrations' "
+                              "observations are not normalized); set env.norm_obs=false")
         if self.algorithm.name == "grpo" and self.env.seed_groups < 2:
             raise ConfigError("algorithm.name=grpo needs env.seed_groups >= 2 (advantages are relative within a group)")

@@ -22,6 +22,10 @@ def preflight(cfg) -> None:
         if cfg.policy.init and not (Path(cfg.policy.init) / "policy.safetensors").is_file():
             raise C.UserError(f"policy.init: '{cfg.policy.init}' holds no policy.safetensors (expected an embodied "
                               f"checkpoint directory, or the output of `m2flow sft CONFIG OUT --demos DIR`)")
+        for demos in filter(None, cfg.actor.bc_demos.split(",")):
+            if not (Path(demos) / "demos.json").is_file():
+                raise C.UserError(f"actor.bc_demos: '{demos}' holds no demos.json (expected a demonstration dataset: "
+                                  f"`m2flow demos TASK -n N --out DIR` writes one)")
         return
     _model_dir(cfg.model.path)
     if cfg.data.task == "file":

@@ -247,26 +247,15 @@ def behaviour_clone(cfg: EmbodiedConfig, demos: str | Path, out: str | Path, ste
     demos used) and eval.json (`cfg.eval.episodes` deterministic episodes from held-out seeds). In this process."""
     from safetensors.torch import save_file
 
-    from m2flow.workloads.embodied.bc import bc_dataset, fit
-    from m2flow.workloads.embodied.experts import load_demos
+    from m2flow.workloads.embodied.bc import demo_data, fit
 
-    tasks = maniskill.task_ids(cfg.env.id)
-    datasets = [load_demos(d) for d in str(demos).split(",")]
-    for where, (summary, arrays) in zip(str(demos).split(","), datasets):
-        if summary["task"] not in tasks:
-            raise ValueError(f"{where}: demonstrations of {summary['task']}, but the config's env.id is {cfg.env.id}")
-        if cfg.env.instruct:  # as the policy sees them: the instruction's words, then the state padded
-            arrays["obs"] = maniskill.instruction_obs(maniskill.tokenize(summary["instruction"]).astype(np.float32),
-                                                      arrays["obs"])
     if cfg.env.norm_obs:
         raise ValueError("behaviour cloning with env.norm_obs=true is not supported yet (the RL run would normalize "
                          "observations the cloned policy never saw normalized); set env.norm_obs=false")
+    data = demo_data(str(demos), cfg.env.id, cfg.env.instruct, cfg.env.chunk, cfg.algorithm.gamma, episodes)
     group = make_env_group(cfg, 1, cfg.run.seed)
     policy = make_policy(cfg, group.observation_space, group.action_space)
     group.close()
-    parts = [bc_dataset(arrays, summary, chunk=cfg.env.chunk, gamma=cfg.algorithm.gamma, episodes=episodes)
-             for summary, arrays in datasets]
-    data = {k: torch.cat([p[k] for p in parts]) if k != "episodes" else sum(p[k] for p in parts) for k in parts[0]}
     with progress(show) as bar:
         task = bar.add_task("behaviour cloning", total=steps, info="")
         metrics = fit(policy, data, steps, batch_size=batch_size, lr=lr, vf_coef=cfg.algorithm.vf_coef,

@@ -24,6 +24,7 @@ from m2flow.workers.guards import check_weight_growth, first_nonfinite, nonfinit
 from m2flow.workers.policy import make_policy
 from m2flow.workers.sync import PublishesWeights
 from m2flow.workloads.embodied import Trajectory
+from m2flow.workloads.embodied.bc import demo_data
 
 
 def advantages(traj: Trajectory, cfg, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
@@ -57,12 +58,35 @@ def minibatch_loss(policy, obs, actions, old_logp, old_v, adv, returns, clip: to
 STATS = ("actor/pg_loss", "actor/vf_loss", "actor/entropy", "actor/approx_kl", "actor/clipfrac")
 
 
+class DemoTerm:
+    """DAPG's behaviour-cloning term beside the RL loss: coef x the negative log-likelihood of `size` demonstrated
+    (obs, action) rows, drawn afresh for every minibatch. The draws are seeded by (seed, iteration), each rank its own
+    seed, so a resumed run draws what an uninterrupted one does."""
+
+    def __init__(self, data: dict[str, torch.Tensor], size: int, seed: int):
+        self.obs, self.actions = data["obs"], data["actions"]
+        self.size, self.seed = min(size, len(self.obs)), seed
+
+    def at(self, step: int, coef: float) -> Callable[[object], tuple[torch.Tensor, torch.Tensor]]:
+        """The term of iteration `step`: policy -> (coef x NLL to add to a minibatch's loss, the NLL, detached)."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+
+        def term(policy) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = torch.randint(0, len(self.obs), (self.size,), generator=gen)
+            nll = -policy.evaluate(self.obs[rows], self.actions[rows])[0].mean()
+            return coef * nll, nll.detach()
+
+        return term
+
+
 def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, frac: float, gen: torch.Generator,
-               rank: int = 0, world: int = 1, allreduce=None, loss_fn=minibatch_loss) -> dict:
+               rank: int = 0, world: int = 1, allreduce=None, loss_fn=minibatch_loss,
+               bc: Callable[[object], tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict:
     """Epochs x minibatches of `loss_fn` (minibatch_loss, or a compiled copy of it) over the flattened [T, N] steps
     where mask. frac in (0, 1]: the share of the run left (LR and clip annealing). Each epoch gathers the data
     once in a seeded order and takes minibatches as slices; with `world` ranks each takes every world-th sample of
-    a minibatch and `allreduce(grads)` averages the flat gradient buffer over them. Returns metrics."""
+    a minibatch and `allreduce(grads)` averages the flat gradient buffer over them. `bc(policy)` -> (a term added
+    to every minibatch's loss, its NLL): DAPG's behaviour cloning. Returns metrics."""
     a, alg = cfg.actor, cfg.algorithm
     keep = mask.reshape(-1)
     flat = lambda x: x.reshape(-1, *x.shape[2:])[keep]  # noqa: E731
@@ -75,7 +99,7 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
     params = [p for p in policy.parameters() if p.requires_grad]
     grads = flat_grads(params)
     size = len(returns)
-    stats, grad_norms, stop, skipped = [], [], False, 0
+    stats, grad_norms, stop, skipped, bc_nlls = [], [], False, 0, []
     for _ in range(a.epochs):
         order = torch.randperm(size, generator=gen)
         shuffled = [x[order] for x in data]
@@ -86,6 +110,10 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
             if world > 1:
                 mb = [x[rank::world] for x in mb]
             loss, s = loss_fn(policy, *mb, clip_t, alg)
+            if bc is not None:
+                term, nll = bc(policy)
+                loss = loss + term
+                bc_nlls.append(nll)
             grads.zero_()
             loss.backward()  # accumulates into the views of `grads`
             if allreduce is not None:
@@ -114,6 +142,8 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
                 "actor/nonfinite_skipped": skipped, "actor/lr": optimizer.param_groups[0]["lr"],
                 "actor/clip": clip, "actor/updates": len(stats), "actor/early_stop": float(stop),
                 "actor/advantage_mean": float(data[4].mean())})
+    if bc_nlls:
+        out["actor/bc_nll"] = float(torch.stack(bc_nlls).mean())
     return out
 
 
@@ -167,6 +197,9 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
             self.init_process_group("gloo")
         self.register_offloadable("policy", self.policy)
         self.register_offloadable("optimizer", self.optimizer)
+        a = cfg.actor
+        self.demos = DemoTerm(demo_data(a.bc_demos, cfg.env.id, cfg.env.instruct, cfg.env.chunk), a.minibatch_size,
+                              cfg.run.seed + 777 + self.rank) if a.bc_coef > 0 else None
 
     def train(self, inp, step: int, producers: int) -> dict:
         """One update from the `producers` env workers' trajectories on `inp` (key: this rank)."""
@@ -182,9 +215,13 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
             frac = 1.0 - step / max(self.cfg.run.steps, 1)
             limit = self.cfg.actor.max_weight_growth
             before = math.sqrt(sum_of_squares(self.policy.parameters())) if limit else 0.0
+            coef = self.cfg.actor.bc_coef * self.cfg.actor.bc_decay ** step if self.demos is not None and not warmup else 0.0
+            bc = self.demos.at(step, coef) if coef > 0 else None
             out = ppo_update(self.policy, self.optimizer, traj, adv, returns, mask, self.cfg, frac, self.gen,
                              self.rank, self.world_size, allreduce_grads if self.world_size > 1 else None,
-                             self.loss_fn)
+                             self.loss_fn, bc)
+            if self.demos is not None:
+                out["actor/bc_coef"] = coef
             if limit:
                 check_weight_growth(before, math.sqrt(sum_of_squares(self.policy.parameters())), limit,
                                     self.cfg.actor.lr)

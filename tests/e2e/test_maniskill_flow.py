@@ -51,10 +51,13 @@ def test_behaviour_cloning_then_ppo_from_it_lockstep_and_pipelined(cluster, tmp_
 
 
 def test_embodied_grpo_scores_pickcube_groups_by_success(cluster, tmp_path):
+    """GRPO on success, with a behaviour-cloning term beside its loss (`actor.bc_coef`, DAPG) on 2 actor ranks."""
     _, rows = run(cluster, tmp_path, "grpo", "algorithm.name=grpo", "env.seed_groups=2",
-                  "cluster.placement=env,rollout,actor: 0")
+                  "cluster.placement=env,rollout,actor: 0-1", "actor.bc_coef=0.2", "actor.bc_decay=0.5",
+                  f"actor.bc_demos={DEMOS}")
     assert len(rows) == 2 and all(r["rollout/episodes"] == 4 for r in rows)
     assert all(0.0 <= r["rollout/success_once"] <= 1.0 for r in rows)
+    assert [r["actor/bc_coef"] for r in rows] == [0.2, 0.1] and all(r["actor/bc_nll"] > 0 for r in rows)
 
 
 def test_one_instruction_conditioned_policy_clones_three_tasks_and_trains_on_them(cluster, tmp_path):

@@ -100,6 +100,12 @@ CASES = [
      "error: env.id: unknown gymnasium env id 'CartPol-v1'; close matches: CartPole-v1"),
     ("ManiSkill3 task misspelt", ["train", "ppo_pickcube", "env.id=PickCub-v1", *TINY],
      "error: env.id: unknown gymnasium env id 'PickCub-v1'; close matches: PickCube-v1, StackCube-v1, PushCube-v1"),
+    ("behaviour-cloning term without its demos", ["train", "ppo_pickcube", "actor.bc_coef=0.1", *TINY],
+     "config error: actor.bc_coef > 0 needs actor.bc_demos (a `m2flow demos` directory)"),
+    ("behaviour-cloning demos missing", ["train", "ppo_pickcube", "actor.bc_coef=0.1", "actor.bc_demos={tmp}/none",
+                                        *TINY],
+     "error: actor.bc_demos: '{tmp}/none' holds no demos.json (expected a demonstration dataset: `m2flow demos TASK "
+     "-n N --out DIR` writes one)"),
     ("demos of a task without an expert", ["demos", "PickCub-v1", "-n", "1"],
      "error: demos: no expert for task 'PickCub-v1'; tasks: PickCube-v1, PushCube-v1, StackCube-v1"),
     ("env module missing", ["train", "ppo_cartpole", "env.id=nosuchmod:Env-v0", *TINY],

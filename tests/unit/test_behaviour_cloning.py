@@ -67,3 +67,47 @@ def test_rl_from_a_cloned_policy_starts_at_its_std_times_init_std_scale(tmp_path
     assert all(torch.equal(narrowed.state_dict()[k], v) for k, v in same.items())
     with pytest.raises(C.ConfigError, match="policy.init_std_scale must be > 0, got 0.0"):
         C.load(C.EmbodiedConfig, "ppo_pickcube", ["policy.init_std_scale=0"])
+
+
+def test_a_behaviour_cloning_term_beside_the_rl_loss_pulls_the_policy_to_the_demonstrations():
+    """`actor.bc_coef` (DAPG): every minibatch's loss adds bc_coef x the NLL of demonstrated actions. On a rollout
+    with no reward (no advantage: the RL loss moves nothing) the policy's NLL of the demonstrations falls with the
+    term and stays without it; the coefficient decays by actor.bc_decay each iteration."""
+    from pathlib import Path
+
+    from m2flow import config as C
+    from m2flow.workers.embodied_actor import EmbodiedActorWorker
+    from m2flow.workloads.embodied import Trajectory
+    from m2flow.workloads.embodied.bc import demo_data
+
+    demos = Path(__file__).resolve().parents[1] / "fixtures" / "demos" / "PickCube-v1"
+    obs_space, action_space = spaces.Box(-np.inf, np.inf, (42,)), spaces.Box(-1, 1, (4,))
+    data = demo_data(str(demos), "PickCube-v1")
+    T, N = 16, 4
+    gen = torch.Generator().manual_seed(0)
+    traj = Trajectory(obs=torch.randn(T, N, 42, generator=gen), actions=torch.randn(T, N, 4, generator=gen),
+                      logprobs=torch.zeros(T, N), values=torch.zeros(T, N), rewards=torch.zeros(T, N),
+                      terminated=torch.zeros(T, N, dtype=torch.bool), truncated=torch.zeros(T, N, dtype=torch.bool),
+                      final_values=torch.zeros(T, N), next_obs=torch.randn(N, 42, generator=gen),
+                      next_values=torch.zeros(N))
+
+    class Box:
+        def get(self, key=None):
+            return {"env_rank": 0, "traj": traj, "scores": None}
+
+    def demo_nll(actor) -> float:
+        with torch.no_grad():
+            return float(-actor.policy.evaluate(data["obs"], data["actions"])[0].mean())
+
+    def trained(*overrides):
+        actor = EmbodiedActorWorker(C.load(C.EmbodiedConfig, "ppo_pickcube", ["actor.minibatch_size=16",
+                                                                              *overrides]), obs_space, action_space)
+        before = demo_nll(actor)
+        rows = [actor.train(Box(), step, 1) for step in range(2)]
+        return before, demo_nll(actor), rows
+
+    before, after, rows = trained("actor.bc_coef=0.5", "actor.bc_decay=0.5", f"actor.bc_demos={demos}")
+    assert after < before - 0.5, (before, after)
+    assert [r["actor/bc_coef"] for r in rows] == [0.5, 0.25] and all(r["actor/bc_nll"] > 0 for r in rows)
+    plain_before, plain_after, plain = trained()
+    assert plain_after == pytest.approx(plain_before, abs=1e-3) and "actor/bc_nll" not in plain[0]

@@ -47,6 +47,27 @@ def bc_dataset(arrays: dict[str, np.ndarray], summary: dict, chunk: int = 1, gam
             "episodes": torch.tensor(len(keep))}
 
 
+def demo_data(demos: str, env_id: str, instruct: bool = False, chunk: int = 1, gamma: float = 0.99,
+              episodes: int | None = None) -> dict[str, torch.Tensor]:
+    """`bc_dataset` of the demonstration directories `demos` (`m2flow demos`; comma-separated, one per task of a
+    multi-task `env_id`), concatenated, their observations as the policy sees them (`instruct`: the instruction's
+    words, then the state padded)."""
+    from . import maniskill
+    from .experts import load_demos
+
+    tasks = maniskill.task_ids(env_id)
+    parts = []
+    for where in demos.split(","):
+        summary, arrays = load_demos(where)
+        if summary["task"] not in tasks:
+            raise ValueError(f"{where}: demonstrations of {summary['task']}, but the config's env.id is {env_id}")
+        if instruct:
+            arrays["obs"] = maniskill.instruction_obs(maniskill.tokenize(summary["instruction"]).astype(np.float32),
+                                                      arrays["obs"])
+        parts.append(bc_dataset(arrays, summary, chunk=chunk, gamma=gamma, episodes=episodes))
+    return {k: torch.cat([p[k] for p in parts]) if k != "episodes" else sum(p[k] for p in parts) for k in parts[0]}
+
+
 def fit(policy: ActorCritic, data: dict[str, torch.Tensor], steps: int, batch_size: int = 256, lr: float = 1e-3,
         vf_coef: float = 0.5, seed: int = 0, on_step: Callable[[int, dict], None] | None = None) -> dict:
     """`steps` Adam steps on minibatches of `data` (sampled with replacement from a seeded generator): loss =
