@@ -58,7 +58,8 @@ def main() -> None:
                             stop_token_ids=[tok.eos_token_id])
     engines = {dtype: NativeEngine(load_model(path, dtype=getattr(torch, dtype), device=device).eval(), max_slots=256,
                                    max_len=64 + args.max_new_tokens) for dtype in ("float32", "bfloat16")}
-    trained = {name: (training_precision(*how), load_model(path, dtype=training_precision(*how).weights, device=device).train())
+    trained = {name: (training_precision(*how),
+                      load_model(path, dtype=training_precision(*how).weights, device=device).train())
                for name, how in PRECISIONS.items()}
     n_params = sum(p.numel() for p in trained["fp32"][1].parameters())
     gen_times = {d: [] for d in engines}
@@ -81,7 +82,8 @@ def main() -> None:
 
     tokens = sum(len(g.response_ids) for g in rollouts["float32"])
     print(f"model: {n_params / 1e6:.2f}M parameters, {args.prompts} prompts x {args.n} samples, {tokens} response "
-          f"tokens, {args.threads} threads on {device_name(device)}, {args.repeats} repeats (medians of the last {args.repeats - 1}), "
+          f"tokens, {args.threads} threads on {device_name(device)}, {args.repeats} repeats "
+          f"(medians of the last {args.repeats - 1}), "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'precision':<12} {'generate s':>10} {'train pass s':>13} {'logprob |diff| mean':>20} {'max':>9}")
     for name, (precision, model) in trained.items():

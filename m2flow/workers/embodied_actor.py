@@ -215,7 +215,8 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
             frac = 1.0 - step / max(self.cfg.run.steps, 1)
             limit = self.cfg.actor.max_weight_growth
             before = math.sqrt(sum_of_squares(self.policy.parameters())) if limit else 0.0
-            coef = self.cfg.actor.bc_coef * self.cfg.actor.bc_decay ** step if self.demos is not None and not warmup else 0.0
+            on = self.demos is not None and not warmup
+            coef = self.cfg.actor.bc_coef * self.cfg.actor.bc_decay ** step if on else 0.0
             bc = self.demos.at(step, coef) if coef > 0 else None
             out = ppo_update(self.policy, self.optimizer, traj, adv, returns, mask, self.cfg, frac, self.gen,
                              self.rank, self.world_size, allreduce_grads if self.world_size > 1 else None,
