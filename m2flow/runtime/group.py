@@ -82,6 +82,8 @@ class Worker:
     run_dir: str | None = None
     context_switch: bool = False  # device_phase onloads state on entry, offloads it on exit (collocated turns)
     _m2flow_locks: list[DeviceLock] = []
+    _m2flow_group_locks: list[DeviceLock] = []  # every device of the group on this rank's node, by index
+    _m2flow_group_id: str = ""
 
     @classmethod
     def launch(cls, cluster: Cluster, placement: ComponentPlacement, *args, **kwargs) -> "Group":
@@ -101,11 +103,18 @@ class Worker:
     @contextmanager
     def device_phase(self, phase: str, step: int | None = None):
         """Hold the locks of all this rank's devices (sorted order, re-entrant) while the block runs; trace it.
+        A rank that joined a torch.distributed group of several ranks (`init_process_group`) holds every device of
+        its group instead, as the group (see `lock.py`): its phases wait in collectives for the other ranks.
         With `context_switch` on, the outermost phase also onloads the registered state and offloads it after."""
         taken, start = [], time.time()
+        as_group = self.__dict__.get("_m2flow_collective", False)
+        owner = self._m2flow_group_id if as_group else self._owner
         try:
-            for lock in self._m2flow_locks:
-                lock.acquire(self._owner)
+            for lock in self._m2flow_group_locks if as_group else self._m2flow_locks:
+                if as_group:
+                    lock.acquire_for_group(owner)
+                else:
+                    lock.acquire(owner)
                 taken.append(lock)
             with self.tracer.span(phase, step, locked=True, wait=time.time() - start):
                 with _DEPTH_LOCK:  # phases in flight in this worker (nested, or from @concurrent methods)
@@ -122,7 +131,10 @@ class Worker:
                         self.offload()
         finally:
             for lock in reversed(taken):
-                lock.release(self._owner)
+                if as_group:
+                    lock.release_for_group(owner)
+                else:
+                    lock.release(owner)
 
     def set_context_switch(self, enabled: bool = True) -> None:
         """Turn on (or off) onload-on-entry / offload-on-exit around each outermost `device_phase`."""
@@ -157,6 +169,7 @@ class Worker:
         gpu = bool(self.devices) and self.devices[0].kind == "gpu"
         dist.init_process_group(backend or ("nccl" if gpu else "gloo"), init_method="env://", rank=self.rank,
                                 world_size=self.world_size, timeout=datetime.timedelta(minutes=10))
+        self._m2flow_collective = self.world_size > 1  # device_phase now locks as the group
 
     def register_offloadable(self, name: str, obj) -> None:
         """Have `offload()` / `onload()` move this nn.Module or Optimizer."""
@@ -657,10 +670,13 @@ class Group:
             except ray.exceptions.RayError as e:
                 raise WorkerError(name, rank, f"process failed to start: {e}") from None
         master = dict(MASTER_ADDR=self._where[0]["node_ip"], MASTER_PORT=str(self._where[0]["port"]))
-        refs = []
+        refs, every = [], sorted({d.index: d for devs in ranks for d in devs}.values(), key=lambda d: d.index)
         for rank, (actor, devs) in enumerate(zip(self._actors, ranks)):
             attrs = dict(component=name, rank=rank, world_size=len(ranks), devices=devs, run_dir=run_dir,
-                         _m2flow_locks=[cluster.device_lock(d.index) for d in sorted(devs, key=lambda d: d.index)])
+                         _m2flow_locks=[cluster.device_lock(d.index) for d in sorted(devs, key=lambda d: d.index)],
+                         _m2flow_group_locks=[cluster.device_lock(d.index) for d in every
+                                              if d.node_id in {mine.node_id for mine in devs}],
+                         _m2flow_group_id=f"{name}@{self._uid}")
             refs.append(actor.construct.remote(self._uid, self.worker_cls, attrs, master, args, kwargs))
         return Handle(self, "__init__", self.ranks, refs)
 

@@ -5,7 +5,10 @@ holder's process has died (the lock is then passed on, so nothing hangs). Within
 one process queue in that process (FIFO, no Ray call); the process takes the node's lock for them and keeps it
 between their turns until another process asks for it, then gives it back as soon as its current owner is done.
 So a device whose tenants all live in one process (co-hosted groups) costs no round trip per phase, and tenants in
-different processes still take turns in FIFO order. It moves no state; `offload.py` does that.
+different processes still take turns in FIFO order. A group whose ranks meet in collectives (torch.distributed)
+takes every device of the group, in index order, under one id shared by its ranks (`acquire_for_group`): holding only
+its own device, each rank of two such groups on the same devices could wait in a collective for a peer that waits for
+a device the other group holds. It moves no state; `offload.py` does that.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class _Lock:
         self.changed = asyncio.Event()
 
     def pass_on(self):
-        """Give the lock to the oldest live waiter, or free it."""
+        """Give the lock to the oldest live waiter, and to every other waiter under the same owner id (the ranks of
+        a group, `acquire_for_group`, which meet in a collective once they hold it), or free it."""
         self.holder, self.count = None, 0
         self.notify()
         while self.waiters:
@@ -56,6 +60,11 @@ class _Lock:
                 continue
             self.holder, self.count = (owner, pid, ctime), 1
             fut.set_result(True)
+            for waiter in [w for w in self.waiters if w[0] == owner]:
+                self.waiters.remove(waiter)
+                if not waiter[3].done():
+                    self.count += 1
+                    waiter[3].set_result(True)
             return
 
 
@@ -298,6 +307,19 @@ class DeviceLock:
 
     def release(self, owner_id: str) -> None:
         self._lease.release(owner_id)
+
+    def acquire_for_group(self, group_id: str, timeout: float | None = None) -> bool:
+        """Block until the group `group_id` holds the lock (True) or `timeout` seconds pass (False), asking the node's
+        server directly (no lease). Every rank of a group that meets in collectives takes its group's devices under
+        one id: the lock is re-entrant across their processes, so the group holds all of them or waits as one, and
+        two such groups on the same devices cannot each hold a part while their ranks wait in a collective."""
+        pid = os.getpid()
+        return ray.get(self._server.acquire.remote(self.index, group_id, pid, psutil.Process(pid).create_time(),
+                                                   timeout))
+
+    def release_for_group(self, group_id: str) -> None:
+        if not ray.get(self._server.release.remote(self.index, group_id)):
+            raise RuntimeError(f"device {self.index} lock: release by group {group_id!r}, which does not hold it")
 
     def holder(self) -> str | None:
         """The owner id holding the lock now, or None. Asked from the holding process, that is the owner in it (None

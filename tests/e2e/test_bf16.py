@@ -60,10 +60,8 @@ def test_mixed_precision_shards_and_trains_a_critic_and_adapters(cluster, tmp_pa
     common = ["run.steps=2", "model.dtype=bfloat16", "algorithm.name=ppo", "algorithm.advantage=gae", "critic.lr=1e-4",
               "model.lora.r=8", "actor.share_prompts=false"]
     one = run(cluster, tmp_path, "one", *common, "cluster.placement=rollout,reward,inference: 0; actor,critic: 1")
-    # the critic stays on device 1: two sharded groups on the same two devices can deadlock today (README, known
-    # gaps: each rank takes its own device's lock, then waits in a collective for a rank the other group blocks)
-    two = run(cluster, tmp_path, "two", *common, "actor.backend=fsdp2",
-              "cluster.placement=rollout,reward,inference: 0; actor: 0-1; critic: 1")
+    two = run(cluster, tmp_path, "two", *common, "actor.backend=fsdp2",  # two sharded groups on the same devices
+              "cluster.placement=rollout,reward,inference: 0; actor,critic: 0-1")
     for a, b in zip(one, two):
         assert a["sync/checked"] == b["sync/checked"] == 1
         assert a["critic/samples"] > 0 and a["actor/logprob_diff"] < BF16_LOGPROB_TOLERANCE

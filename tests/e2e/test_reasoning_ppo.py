@@ -53,13 +53,13 @@ def test_ppo_resumes_the_critic_with_the_actor(cluster, tmp_path):
 
 
 def test_a_critic_sharded_over_two_ranks_trains_as_one_process_and_resumes_on_one(cluster, tmp_path):
-    """The critic on 2 ranks (FSDP2), every rank valuing and training on its share of the step, the advantages
-    whitened over both shares' tokens: the same values, advantages and updates as one process (to float rounding).
-    The critic's checkpoint holds a shard per rank; the run resumes with a 1-rank critic. (The actor stays on one
-    rank: two sharded groups on the same devices can deadlock today, README known gaps.)"""
+    """Critic and actor on 2 ranks each (FSDP2; two sharded groups on the same devices take them as groups), every
+    rank valuing and training on its share of the step, the advantages whitened over both shares' tokens: the same
+    values, advantages and updates as one process each (to float rounding). The critic's checkpoint holds a shard per
+    rank; the run resumes with a 1-rank critic."""
     one = run(cluster, tmp_path, "one", "cluster.placement=rollout,reward,inference: 0; actor,critic: 1")
-    two = run(cluster, tmp_path, "two", "run.save_every=2",
-              "cluster.placement=rollout,reward,inference: 0; actor: 1; critic: 0-1")
+    two = run(cluster, tmp_path, "two", "actor.backend=fsdp2", "run.save_every=2",
+              "cluster.placement=rollout,reward,inference: 0; actor,critic: 0-1")
     for a, b in zip(one, two, strict=True):
         assert b["critic/samples"] == a["critic/samples"] == 32
         assert a["reward/mean"] == b["reward/mean"]  # the same samples

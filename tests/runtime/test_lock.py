@@ -174,3 +174,43 @@ def test_dropping_a_cluster_object_leaves_the_device_locks_working(tmp_path):
 
     code, out = run_script(DROPPED_CLUSTER, tmp_path, timeout=180)
     assert code == 0 and "LOCK OK" in out, out[-3000:]
+
+
+class Gang(Worker):
+    """A group whose ranks meet in an all-reduce inside every device phase (as FSDP2's do)."""
+
+    def meet(self, delays):
+        import torch
+        import torch.distributed as dist
+
+        self.init_process_group("gloo")
+        time.sleep(delays[self.rank])
+        with self.device_phase("meet"):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            time.sleep(0.2)
+            return float(t)
+
+
+def test_two_groups_meeting_in_collectives_on_the_same_devices_take_turns_as_groups(cluster):
+    # Entries ordered to close the cycle that per-rank locks allow: x0 takes device 0, y1 device 1, then x1 waits for
+    # device 1 and y0 for device 0, while x0 and y1 wait in their all-reduces for x1 and y0. As groups: x holds both
+    # devices from x0's entry, y1 waits for device 0, x1 joins x (same group) and y follows once x is done.
+    # Then both ranks of x queue behind another tenant of device 0: when it lets go, the lock goes to both at once.
+    x = Gang.launch(cluster, ComponentPlacement("x", ((0,), (1,))))
+    y = Gang.launch(cluster, ComponentPlacement("y", ((0,), (1,))))
+    z = Turns.launch(cluster, ComponentPlacement("z", ((0,),)))
+    try:
+        calls = [x.meet({0: 0.0, 1: 1.5}), y.meet({0: 2.0, 1: 0.5})]
+        assert wait_all(calls, timeout=60) == [[2.0, 2.0], [2.0, 2.0]]
+        spans = [s for g in (x, y) for s in g.spans(clear=True) if s["phase"] == "meet"]
+        on = {c: (min(s["start"] for s in spans if s["component"] == c),
+                  max(s["end"] for s in spans if s["component"] == c)) for c in "xy"}
+        assert on["x"][1] <= on["y"][0], f"the groups overlapped on the devices: {on}"
+
+        holding = z.hold(1.5)
+        time.sleep(0.5)
+        assert x.meet({0: 0.0, 1: 0.3}).wait(timeout=30) == [2.0, 2.0]
+        holding.wait(timeout=10)
+    finally:
+        release_all([x, y, z])
