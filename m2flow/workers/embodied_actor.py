@@ -147,6 +147,17 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
     return out
 
 
+def forget_idle_adam_state(optimizer: torch.optim.Optimizer) -> int:
+    """Drop the Adam state of the parameters whose gradients were all zero so far (the policy's during a critic
+    warmup): Adam stepped them all the same, so their step count would say the moments had settled while both are
+    still 0, and the first real updates would take steps of several times the learning rate. They start afresh.
+    Returns how many parameters it reset."""
+    idle = [p for p, st in optimizer.state.items() if "exp_avg_sq" in st and not st["exp_avg_sq"].any()]
+    for p in idle:
+        del optimizer.state[p]
+    return len(idle)
+
+
 def mean_over_ranks(value: torch.Tensor, allreduce: Callable[[torch.Tensor], None] | None) -> float:
     """A scalar averaged over the actor ranks with `allreduce` (None: one rank, the value itself)."""
     if allreduce is None:
@@ -210,6 +221,8 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
             start = time.perf_counter()
             adv, returns, mask = advantages(traj, self.cfg, scores)
             warmup = step < self.cfg.actor.critic_warmup
+            if step == self.cfg.actor.critic_warmup > 0:
+                forget_idle_adam_state(self.optimizer)
             if warmup:  # no advantage, no policy gradient: the updates fit the value function alone
                 adv = torch.zeros_like(adv)
             frac = 1.0 - step / max(self.cfg.run.steps, 1)

@@ -475,8 +475,13 @@ def test_critic_warmup_iterations_train_the_value_function_alone():
     warm = snapshot()
     assert metrics["actor/critic_warmup"] == 1.0 and metrics["actor/pg_loss"] == 0.0 and metrics["actor/updates"] > 0
     assert moved(start, warm) and all(k.startswith("critic") for k in moved(start, warm)), moved(start, warm)
+    warm_updates = metrics["actor/updates"]
     metrics = actor.train(Inbox.of(item), 1, 1)
     assert metrics["actor/critic_warmup"] == 0.0
     assert any(k.startswith("actor") for k in moved(warm, snapshot()))
+    # Adam starts the policy's moments afresh after the warmup (its step count is the updates since), the critic's go on
+    steps = {n: int(actor.optimizer.state[p]["step"]) for n, p in actor.policy.named_parameters()}
+    assert steps["actor_head.weight"] == steps["actor.0.weight"] == metrics["actor/updates"]
+    assert steps["critic_head.weight"] == warm_updates + metrics["actor/updates"]
     with pytest.raises(C.ConfigError, match="actor.critic_warmup must be >= 0, got -1"):
         make_cfg(actor={"critic_warmup": -1})
