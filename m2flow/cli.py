@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--seed", type=int, default=0)
 
     dm = sub.add_parser("demos", help="record expert demonstrations of a ManiSkill3 task (PickCube-v1, PushCube-v1, "
-                                      "StackCube-v1) as a dataset for behaviour cloning")
+                                      "StackCube-v1) or a Meta-World one (metaworld/reach-v3, ...) as a dataset for "
+                                      "behaviour cloning")
     dm.add_argument("task")
     dm.add_argument("-n", "--episodes", type=int, default=100, help="episodes, from reset seeds SEED, SEED + 1, ...")
     dm.add_argument("--out", default=None, help="dataset directory (default: runs/demos/TASK)")
@@ -216,15 +217,18 @@ def cmd_demos(args) -> int:
     from m2flow.flows.outputs import progress
     from m2flow.workloads.embodied import experts, maniskill
 
-    if args.task not in experts.EXPERTS:
-        raise UserError(f"demos: no expert for task '{args.task}'; tasks: {', '.join(experts.EXPERTS)}")
+    try:
+        experts.check_task(args.task)
+    except (ImportError, ValueError) as e:
+        raise UserError(f"demos: {e}") from None
     if args.episodes < 1:
         raise UserError(f"demos: -n must be >= 1, got {args.episodes}")
     try:
-        maniskill.check_available()
+        if args.task in experts.EXPERTS:
+            maniskill.check_available()
     except (ImportError, RuntimeError) as e:
         raise UserError(f"demos: {e}") from None
-    out = args.out or os.path.join("runs", "demos", args.task)
+    out = args.out or os.path.join("runs", "demos", *args.task.split("/"))
     with progress(sys.stderr.isatty()) as bar:
         task = bar.add_task(f"{args.task} expert", total=args.episodes, info="")
         summary = experts.write_demos(args.task, args.episodes, out, seed=args.seed,

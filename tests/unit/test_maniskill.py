@@ -102,7 +102,8 @@ def test_a_wrong_task_name_lists_the_tasks():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == ("m2flow: error: demos: no expert for task 'PickCub-v1'; tasks: PickCube-v1, "
-                                     "PushCube-v1, StackCube-v1")
+                                     "PushCube-v1, StackCube-v1, or metaworld/TASK for a Meta-World task (e.g. "
+                                     "metaworld/reach-v3)")
 
 
 def test_a_machine_without_a_vulkan_device_gets_a_one_line_error_naming_the_fix(tmp_path):

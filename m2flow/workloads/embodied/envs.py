@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
-from . import maniskill
+from . import maniskill, metaworld
 from .normalize import ObsNormalizer, RewardScaler
 
 # --- factory ---
@@ -39,6 +39,9 @@ def check_env_id(env_id: str) -> None:
     """Raise ValueError naming the closest ids when `env_id` is neither in the gymnasium registry nor a ManiSkill3
     task (`maniskill.TASKS`)."""
     if maniskill.is_maniskill(env_id) or ":" in env_id:  # "module:Env-v0" ids register themselves in gym.make
+        return
+    if metaworld.is_metaworld(env_id):
+        metaworld.task_of(env_id)
         return
     if "," in env_id:  # several tasks: each must be one m2flow runs
         for task in maniskill.task_ids(env_id):
@@ -107,6 +110,11 @@ def make_env_fns(
     if kwargs.get("instruct"):
         raise ValueError(f"{env_id}: instruction observations (env.instruct) are for the ManiSkill3 tasks "
                          f"({', '.join(maniskill.TASKS)})")
+    if metaworld.is_metaworld(env_id):
+        if pixels:
+            raise ValueError(f"{env_id}: pixel observations are not supported for Meta-World tasks yet (state only)")
+        _route_mujoco_warnings()
+        return [functools.partial(_make_metaworld, env_id, render_mode, seed + i, kwargs) for i in range(num_envs)]
     is_mujoco = ":" not in env_id and "mujoco" in str(gym.spec(env_id).entry_point)
     if is_mujoco:
         _route_mujoco_warnings()
@@ -128,6 +136,12 @@ def make_env_fns(
         return env
 
     return [functools.partial(make, i) for i in range(num_envs)]
+
+
+def _make_metaworld(env_id: str, render_mode: str | None, action_seed: int, kwargs: dict) -> gym.Env:
+    env = metaworld.make(env_id, render_mode=render_mode, **kwargs)
+    env.action_space.seed(action_seed)
+    return env
 
 
 def _make_maniskill(env_id: str, render_mode: str | None, action_seed: int, kwargs: dict) -> gym.Env:

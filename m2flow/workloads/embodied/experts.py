@@ -1,4 +1,5 @@
-"""Scripted experts for the ManiSkill3 tasks and the demonstration datasets they write.
+"""Scripted experts for the ManiSkill3 tasks and the demonstration datasets they write (Meta-World tasks,
+`metaworld/TASK`, use the package's own scripted policies).
 
 An expert reads the simulator's true state (the cube, goal and gripper positions: privileged, as a motion planner's
 is) and drives the end effector through waypoints in the policies' own control mode (`pd_ee_delta_pos`: 3 deltas
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import gymnasium as gym
 import numpy as np
 
-from . import maniskill
+from . import maniskill, metaworld
 
 
 def _p(actor) -> np.ndarray:
@@ -119,17 +121,39 @@ class StackCubeExpert(_Expert):
 EXPERTS = {"PickCube-v1": PickCubeExpert, "PushCube-v1": PushCubeExpert, "StackCube-v1": StackCubeExpert}
 
 
-def run_expert(env_id: str, seed: int, env: gym.Env | None = None,
-               max_episode_steps: int = maniskill.MAX_EPISODE_STEPS) -> dict:
-    """One expert episode from reset seed `seed`: obs [T, D], actions [T, 4], rewards [T], success, length."""
-    if env_id not in EXPERTS:
-        raise ValueError(f"no expert for {env_id!r}; experts: {', '.join(EXPERTS)}")
-    env = env or maniskill.make(env_id, max_episode_steps=max_episode_steps)
-    obs, _ = env.reset(seed=seed)
+def check_task(env_id: str) -> None:
+    """ValueError naming the tasks with an expert when `env_id` has none."""
+    if metaworld.is_metaworld(env_id):
+        metaworld.task_of(env_id)
+    elif env_id not in EXPERTS:
+        raise ValueError(f"no expert for task '{env_id}'; tasks: {', '.join(EXPERTS)}, or metaworld/TASK for a "
+                         f"Meta-World task (e.g. metaworld/reach-v3)")
+
+
+def _make(env_id: str, max_episode_steps: int | None = None) -> gym.Env:
+    family = metaworld if metaworld.is_metaworld(env_id) else maniskill
+    return family.make(env_id, max_episode_steps=max_episode_steps or family.MAX_EPISODE_STEPS)
+
+
+def _policy(env_id: str, env: gym.Env) -> Callable[[np.ndarray], np.ndarray]:
+    """obs -> the expert's action [4] float32 in [-1, 1]; ManiSkill's read the simulator's state, Meta-World's the
+    (goal-observable) observation."""
+    if metaworld.is_metaworld(env_id):
+        scripted = metaworld.expert(env_id)
+        return lambda obs: np.clip(scripted.get_action(obs), -1.0, 1.0).astype(np.float32)
     expert = EXPERTS[env_id](env)
+    return lambda obs: expert.act()
+
+
+def run_expert(env_id: str, seed: int, env: gym.Env | None = None, max_episode_steps: int | None = None) -> dict:
+    """One expert episode from reset seed `seed`: obs [T, D], actions [T, 4], rewards [T], success, length."""
+    check_task(env_id)
+    env = env or _make(env_id, max_episode_steps)
+    obs, _ = env.reset(seed=seed)
+    policy = _policy(env_id, env)
     rows, actions, rewards, success = [], [], [], False
     while True:
-        action = expert.act()
+        action = policy(obs)
         rows.append(obs)
         actions.append(action)
         obs, reward, terminated, truncated, info = env.step(action)
@@ -144,7 +168,8 @@ def run_expert(env_id: str, seed: int, env: gym.Env | None = None,
 def write_demos(env_id: str, episodes: int, out: str | Path, seed: int = 0, progress=None) -> dict:
     """Run the expert from reset seeds seed, seed + 1, ... and write the dataset (module docstring) to `out`.
     `progress(i)` is called after each episode. Returns the JSON summary."""
-    env = maniskill.make(env_id)
+    check_task(env_id)
+    env = _make(env_id)
     runs = []
     for i in range(episodes):
         runs.append(run_expert(env_id, seed + i, env))
@@ -157,8 +182,11 @@ def write_demos(env_id: str, episodes: int, out: str | Path, seed: int = 0, prog
                         actions=np.concatenate([r["actions"] for r in runs]),
                         rewards=np.concatenate([r["rewards"] for r in runs]),
                         episode=np.concatenate([np.full(r["length"], i, np.int32) for i, r in enumerate(runs)]))
-    summary = {"task": env_id, "instruction": maniskill.instruction(env_id), "control_mode": maniskill.CONTROL_MODE,
-               "max_episode_steps": maniskill.MAX_EPISODE_STEPS, "expert": EXPERTS[env_id].__name__,
+    mw = metaworld.is_metaworld(env_id)
+    summary = {"task": env_id, "instruction": "" if mw else maniskill.instruction(env_id),
+               "control_mode": metaworld.CONTROL_MODE if mw else maniskill.CONTROL_MODE,
+               "max_episode_steps": (metaworld if mw else maniskill).MAX_EPISODE_STEPS,
+               "expert": type(metaworld.expert(env_id)).__name__ if mw else EXPERTS[env_id].__name__,
                "success_rate": float(np.mean([r["success"] for r in runs])),
                "episodes": [{"seed": r["seed"], "length": r["length"], "success": r["success"],
                              "return": float(r["rewards"].sum())} for r in runs]}
