@@ -150,7 +150,7 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
 def forget_idle_adam_state(optimizer: torch.optim.Optimizer) -> int:
     """Drop the Adam state of the parameters whose gradients were all zero so far (the policy's during a critic
     warmup): Adam stepped them all the same, so their step count would say the moments had settled while both are
-    still 0, and the first real updates would take steps of several times the learning rate. They start afresh.
+    still 0, and the first real updates would take steps of up to about twice the learning rate. They start afresh.
     Returns how many parameters it reset."""
     idle = [p for p, st in optimizer.state.items() if "exp_avg_sq" in st and not st["exp_avg_sq"].any()]
     for p in idle:
