@@ -77,3 +77,9 @@ def test_a_wrong_meta_world_task_names_the_close_ones():
     with pytest.raises(ValueError, match="not a Meta-World task; tasks: assembly-v3, basketball-v3"):
         check_env_id("metaworld/nothing")
     assert len(metaworld.tasks()) == 50
+    result = subprocess.run([sys.executable, "-m", "m2flow.cli", "demos", "metaworld/push-v2", "-n", "1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == ("m2flow: error: demos: 'metaworld/push-v2' is not a Meta-World "
+                                                      "task; close matches: metaworld/push-v3, metaworld/push-wall-v3, "
+                                                      "metaworld/push-back-v3, metaworld/stick-push-v3")
