@@ -107,14 +107,14 @@ class Worker:
         its group instead, as the group (see `lock.py`): its phases wait in collectives for the other ranks.
         With `context_switch` on, the outermost phase also onloads the registered state and offloads it after."""
         taken, start = [], time.time()
-        as_group = self.__dict__.get("_m2flow_collective", False)
-        owner = self._m2flow_group_id if as_group else self._owner
+        if self.__dict__.get("_m2flow_collective", False):
+            locks, owner = self._m2flow_group_locks, self._m2flow_group_id
+            take, give = DeviceLock.acquire_for_group, DeviceLock.release_for_group
+        else:
+            locks, owner, take, give = self._m2flow_locks, self._owner, DeviceLock.acquire, DeviceLock.release
         try:
-            for lock in self._m2flow_group_locks if as_group else self._m2flow_locks:
-                if as_group:
-                    lock.acquire_for_group(owner)
-                else:
-                    lock.acquire(owner)
+            for lock in locks:
+                take(lock, owner)
                 taken.append(lock)
             with self.tracer.span(phase, step, locked=True, wait=time.time() - start):
                 with _DEPTH_LOCK:  # phases in flight in this worker (nested, or from @concurrent methods)
@@ -131,10 +131,7 @@ class Worker:
                         self.offload()
         finally:
             for lock in reversed(taken):
-                if as_group:
-                    lock.release_for_group(owner)
-                else:
-                    lock.release(owner)
+                give(lock, owner)
 
     def set_context_switch(self, enabled: bool = True) -> None:
         """Turn on (or off) onload-on-entry / offload-on-exit around each outermost `device_phase`."""

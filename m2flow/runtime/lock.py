@@ -14,6 +14,7 @@ a device the other group holds. It moves no state; `offload.py` does that.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 import time
@@ -28,6 +29,13 @@ from .deadline import deadline_of, seconds_left, wait
 __all__ = ["DeviceLock"]
 
 _CHECK_S = 0.25  # how often a lock with waiters checks that its holder is still alive
+
+
+@functools.cache
+def _identity(pid: int) -> tuple[int, float]:
+    """(pid, its start time): how the lock server tells this process from a later one with the same pid. Keyed by
+    the pid, so a forked child gets its own."""
+    return pid, psutil.Process(pid).create_time()
 
 
 def _alive(pid: int, create_time: float) -> bool:
@@ -172,10 +180,9 @@ class _Lease:
             if self.held and not self.revoked:
                 return self._take(owner)
             self.busy = True  # not held (a revoked hold is always given back before busy clears): ask the server
-        pid = os.getpid()
         left = seconds_left(deadline)
         try:
-            ok = ray.get(self.server.acquire.remote(self.index, owner, pid, psutil.Process(pid).create_time(), left))
+            ok = ray.get(self.server.acquire.remote(self.index, owner, *_identity(os.getpid()), left))
         except BaseException:
             with self.cond:
                 self.busy = False
@@ -313,9 +320,7 @@ class DeviceLock:
         server directly (no lease). Every rank of a group that meets in collectives takes its group's devices under
         one id: the lock is re-entrant across their processes, so the group holds all of them or waits as one, and
         two such groups on the same devices cannot each hold a part while their ranks wait in a collective."""
-        pid = os.getpid()
-        return ray.get(self._server.acquire.remote(self.index, group_id, pid, psutil.Process(pid).create_time(),
-                                                   timeout))
+        return ray.get(self._server.acquire.remote(self.index, group_id, *_identity(os.getpid()), timeout))
 
     def release_for_group(self, group_id: str) -> None:
         if not ray.get(self._server.release.remote(self.index, group_id)):

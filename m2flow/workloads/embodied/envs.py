@@ -105,7 +105,7 @@ def make_env_fns(
             raise ValueError(f"{env_id}: several tasks in one env group need instruction observations (env.instruct="
                              f"true: the tasks' states differ in size, and the policy must be told the task)")
         maniskill.check_available()  # a one-line error here rather than in every env's constructor
-        return [functools.partial(_make_maniskill, tasks[i % len(tasks)], render_mode, seed + i, kwargs)
+        return [functools.partial(_make_seeded, maniskill.make, tasks[i % len(tasks)], render_mode, seed + i, kwargs)
                 for i in range(num_envs)]
     if kwargs.get("instruct"):
         raise ValueError(f"{env_id}: instruction observations (env.instruct) are for the ManiSkill3 tasks "
@@ -114,7 +114,8 @@ def make_env_fns(
         if pixels:
             raise ValueError(f"{env_id}: pixel observations are not supported for Meta-World tasks yet (state only)")
         _route_mujoco_warnings()
-        return [functools.partial(_make_metaworld, env_id, render_mode, seed + i, kwargs) for i in range(num_envs)]
+        return [functools.partial(_make_seeded, metaworld.make, env_id, render_mode, seed + i, kwargs)
+                for i in range(num_envs)]
     is_mujoco = ":" not in env_id and "mujoco" in str(gym.spec(env_id).entry_point)
     if is_mujoco:
         _route_mujoco_warnings()
@@ -138,14 +139,11 @@ def make_env_fns(
     return [functools.partial(make, i) for i in range(num_envs)]
 
 
-def _make_metaworld(env_id: str, render_mode: str | None, action_seed: int, kwargs: dict) -> gym.Env:
-    env = metaworld.make(env_id, render_mode=render_mode, **kwargs)
-    env.action_space.seed(action_seed)
-    return env
-
-
-def _make_maniskill(env_id: str, render_mode: str | None, action_seed: int, kwargs: dict) -> gym.Env:
-    env = maniskill.make(env_id, render_mode=render_mode, **kwargs)
+def _make_seeded(make: Callable[..., gym.Env], env_id: str, render_mode: str | None, action_seed: int,
+                 kwargs: dict) -> gym.Env:
+    """`make(env_id, render_mode=..., **kwargs)` (a family's own maker: ManiSkill3's, Meta-World's), its action
+    space seeded."""
+    env = make(env_id, render_mode=render_mode, **kwargs)
     env.action_space.seed(action_seed)
     return env
 

@@ -21,7 +21,6 @@ import difflib
 import functools
 
 import gymnasium as gym
-import numpy as np
 
 PREFIX = "metaworld/"
 MAX_EPISODE_STEPS = 500  # Meta-World's max_path_length
@@ -109,7 +108,7 @@ def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = M
 
 class _EndAtSuccess(gym.Wrapper):
     def step(self, action):
-        obs, reward, terminated, truncated, info = self.env.step(np.asarray(action, np.float32))
+        obs, reward, terminated, truncated, info = self.env.step(action)
         return obs, reward, terminated or bool(info.get("success", 0.0)), truncated, info
 
 
