@@ -1,0 +1,175 @@
+"""The manipulation table: per task, behaviour cloning from a few expert demonstrations, then PPO and embodied GRPO
+from that clone, each scored by the same deterministic evaluation (`eval.episodes` held-out seeds, the same seeds
+for all three). Runs the CLI a user would (`m2flow demos`, `m2flow sft`, `m2flow train`) and prints every command,
+so a row is reproduced by pasting them. Asserts nothing.
+
+Per task it writes OUT/<task>/row.json: the three success rates, env steps, wall time and env steps/s of each RL
+run (the median of its iterations' `throughput/env_steps_per_s`, with the 1-minute load average sampled while it
+ran) and the sampled success curve (`rollout/success_once` by blocks of 10 iterations). `--summarize` prints the
+table of every row.json under OUT as markdown.
+
+    python benchmarks/manipulation.py --tasks metaworld/push-v3                  # one row, ~10 minutes
+    python benchmarks/manipulation.py --tasks PushCube-v1 --ppo 'run.steps=40'   # extra overrides per RL run
+    python benchmarks/manipulation.py --summarize
+
+The recipes (RECIPES below) are the ones measured in the README; `--demo-episodes`, `--ppo` and `--grpo` add to or
+override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import shutil
+import threading
+import time
+from pathlib import Path
+
+# the CLI beside this interpreter (a virtual environment's bin/), else the one on PATH
+M2FLOW = str(Path(sys.executable).with_name("m2flow")) if Path(sys.executable).with_name("m2flow").exists() \
+    else shutil.which("m2flow") or "m2flow"
+
+# task -> preset, demonstrations recorded, demonstrations cloned (few: room for RL), PPO's and GRPO's overrides
+RECIPES = {
+    "metaworld/push-v3": dict(
+        preset="ppo_metaworld", demos=20, clone=3,
+        ppo="actor.lr=3e-4 actor.critic_warmup=3 algorithm.target_kl=0.05 run.steps=80",
+        grpo="algorithm.name=grpo env.seed_groups=4 env.num_envs=16 algorithm.vf_coef=0 actor.lr=3e-4 "
+             "algorithm.target_kl=0.05 run.steps=40"),
+    "PushCube-v1": dict(
+        preset="ppo_pickcube", demos=20, clone=2,
+        ppo="env.kwargs.ignore_terminations=true rollout.steps=100 env.num_envs=16 policy.init_std_scale=0.5 "
+            "actor.lr=1e-4 actor.critic_warmup=3 actor.minibatch_size=400 algorithm.target_kl=0.05 run.steps=30",
+        grpo="env.kwargs.ignore_terminations=true rollout.steps=100 env.num_envs=16 policy.init_std_scale=0.5 "
+             "algorithm.name=grpo env.seed_groups=4 algorithm.vf_coef=0 actor.lr=1e-4 actor.minibatch_size=400 "
+             "algorithm.target_kl=0.05 run.steps=30"),
+    "PickCube-v1": dict(
+        preset="ppo_pickcube", demos=100, clone=100,
+        ppo="env.kwargs.ignore_terminations=true rollout.steps=100 env.num_envs=16 policy.init_std_scale=0.25 "
+            "actor.lr=1e-5 actor.epochs=2 actor.minibatch_size=400 algorithm.target_kl=0.02 actor.critic_warmup=5 "
+            "run.steps=40",
+        grpo="env.kwargs.ignore_terminations=true rollout.steps=100 env.num_envs=16 policy.init_std_scale=0.25 "
+             "algorithm.name=grpo env.seed_groups=4 algorithm.vf_coef=0 actor.lr=1e-5 actor.epochs=2 "
+             "actor.minibatch_size=400 algorithm.target_kl=0.02 run.steps=40"),
+}
+
+
+def sh(cmd: list[str], log: Path) -> float:
+    """Run `cmd` (printed first), its output to `log`; the wall seconds it took. A failure stops the benchmark with
+    the log's tail."""
+    print("$", shlex.join(cmd), flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if rc:
+        sys.exit(f"{shlex.join(cmd)} exited {rc}; the end of {log}:\n{log.read_text()[-3000:]}")
+    return time.perf_counter() - start
+
+
+class LoadSampler:
+    """The 1-minute load average every `every` seconds while a command runs (`with LoadSampler() as load: ...`)."""
+
+    def __init__(self, every: float = 10.0):
+        self.every, self.samples, self._stop = every, [], threading.Event()
+
+    def __enter__(self):
+        def sample():
+            while not self._stop.wait(self.every):
+                self.samples.append(os.getloadavg()[0])
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> str:
+        s = self.samples or [os.getloadavg()[0]]
+        return f"{min(s):.1f}-{max(s):.1f}"
+
+
+def rl_figures(run_dir: Path) -> dict:
+    """From a finished run: deterministic success (eval.json), env steps, env steps/s (median over iterations) and
+    the sampled success by blocks of 10 iterations."""
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    evaluation = json.loads((run_dir / "eval.json").read_text())
+    curve = [r.get("rollout/success_once") for r in rows]
+    blocks = [[x for x in curve[i:i + 10] if x is not None] for i in range(0, len(curve), 10)]
+    return {"success": evaluation["success_rate"], "episodes": evaluation["episodes"],
+            "env_steps": rows[-1]["env_steps"], "iterations": len(rows),
+            "env_steps_per_s": statistics.median(r["throughput/env_steps_per_s"] for r in rows),
+            "sampled_success_by_10": [round(statistics.mean(b), 3) for b in blocks if b]}
+
+
+def run_task(task: str, args) -> dict:
+    recipe = dict(RECIPES.get(task, {}))
+    if not recipe and not args.preset:
+        sys.exit(f"no recipe for {task!r} (have {', '.join(RECIPES)}): give --preset and the overrides")
+    preset = args.preset or recipe["preset"]
+    clone = args.demo_episodes or recipe.get("clone", 5)
+    out = Path(args.out) / task.replace("/", "_")
+    out.mkdir(parents=True, exist_ok=True)
+    m2flow = [M2FLOW]
+    common = [f"env.id={task}", f"eval.episodes={args.episodes}"]
+    demos = out / "demos"
+    if not (demos / "demos.json").exists():
+        sh([*m2flow, "demos", task, "-n", str(max(recipe.get("demos", clone), clone)), "--out", str(demos)],
+           out / "demos.log")
+    bc = out / "bc"
+    sh([*m2flow, "sft", preset, str(bc), "--demos", str(demos), "--demo-episodes", str(clone), *common], out / "bc.log")
+    row = {"task": task, "preset": preset, "demo_episodes": clone,
+           "bc": {"success": json.loads((bc / "eval.json").read_text())["success_rate"]}, "commands": {}}
+    for name in ("ppo", "grpo"):
+        overrides = shlex.split(recipe.get(name, "")) + shlex.split(getattr(args, name))
+        cmd = [*m2flow, "train", preset, *common, f"policy.init={bc}", f"run.dir={out}", f"run.name={name}",
+               "run.overwrite=true", *overrides]
+        with LoadSampler() as load:
+            seconds = sh(cmd, out / f"{name}.log")
+        row[name] = {**rl_figures(out / name), "wall_s": round(seconds), "load": load.summary()}
+        row["commands"][name] = shlex.join(["m2flow", *cmd[1:]])
+    (out / "row.json").write_text(json.dumps(row, indent=1) + "\n")
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| task | demos cloned | BC | + PPO | + GRPO | PPO env steps (s, steps/s, load) | GRPO env steps "
+             "(s, steps/s, load) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        cells = [f"{r[k]['env_steps']:,} ({r[k]['wall_s']} s, {r[k]['env_steps_per_s']:.0f}/s, "
+                 f"load {r[k]['load']})" for k in ("ppo", "grpo")]
+        lines.append(f"| {r['task']} | {r['demo_episodes']} | {r['bc']['success']:.0%} | {r['ppo']['success']:.0%} "
+                     f"| {r['grpo']['success']:.0%} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", default=",".join(RECIPES), help="comma-separated env ids")
+    p.add_argument("--out", default="runs/bench/manipulation")
+    p.add_argument("--episodes", type=int, default=100, help="deterministic held-out episodes per evaluation")
+    p.add_argument("--demo-episodes", type=int, default=None, help="demonstrations cloned (the recipe's if unset)")
+    p.add_argument("--preset", default=None, help="the preset of a task without a recipe")
+    p.add_argument("--ppo", default="", help="overrides added to PPO's")
+    p.add_argument("--grpo", default="", help="overrides added to GRPO's")
+    p.add_argument("--summarize", action="store_true", help="print the table of the rows under --out")
+    args = p.parse_args()
+    if args.summarize:
+        rows = [json.loads(f.read_text()) for f in sorted(Path(args.out).glob("*/row.json"))]
+        if not rows:
+            sys.exit(f"no row.json under {args.out}")
+    else:
+        rows = [run_task(t.strip(), args) for t in args.tasks.split(",")]
+    print(table(rows))
+    for r in rows:
+        for name, cmd in r["commands"].items():
+            print(f"{r['task']} {name}: {cmd}")
+
+
+if __name__ == "__main__":
+    main()
