@@ -34,10 +34,11 @@ from pathlib import Path
 M2FLOW = str(Path(sys.executable).with_name("m2flow")) if Path(sys.executable).with_name("m2flow").exists() \
     else shutil.which("m2flow") or "m2flow"
 
-# task -> preset, demonstrations recorded, demonstrations cloned (few: room for RL), PPO's and GRPO's overrides
+# task -> preset, demonstrations recorded, demonstrations cloned (few: room for RL), `m2flow sft`'s options, PPO's and
+# GRPO's overrides
 RECIPES = {
     "metaworld/push-v3": dict(
-        preset="ppo_metaworld", demos=20, clone=3,
+        preset="ppo_metaworld", demos=20, clone=3, sft="--steps 1000",
         ppo="actor.lr=3e-4 actor.critic_warmup=3 algorithm.target_kl=0.05 run.steps=80",
         grpo="algorithm.name=grpo env.seed_groups=4 env.num_envs=16 algorithm.vf_coef=0 actor.lr=3e-4 "
              "algorithm.target_kl=0.05 run.steps=40"),
@@ -50,12 +51,12 @@ RECIPES = {
              "algorithm.target_kl=0.05 run.steps=30"),
     "PickCube-v1": dict(
         preset="ppo_pickcube", demos=100, clone=100,
-        ppo="env.kwargs.ignore_terminations=true rollout.steps=100 env.num_envs=16 policy.init_std_scale=0.25 "
-            "actor.lr=1e-5 actor.epochs=2 actor.minibatch_size=400 algorithm.target_kl=0.02 actor.critic_warmup=5 "
-            "run.steps=40",
-        grpo="env.kwargs.ignore_terminations=true rollout.steps=100 env.num_envs=16 policy.init_std_scale=0.25 "
-             "algorithm.name=grpo env.seed_groups=4 algorithm.vf_coef=0 actor.lr=1e-5 actor.epochs=2 "
-             "actor.minibatch_size=400 algorithm.target_kl=0.02 run.steps=40"),
+        ppo="env.kwargs.ignore_terminations=true rollout.steps=100 env.num_envs=64 policy.init_std_scale=0.25 "
+            "cluster.placement='env,rollout,actor: 0-1' actor.lr=3e-5 actor.epochs=4 actor.minibatch_size=1600 "
+            "algorithm.target_kl=0.02 actor.critic_warmup=3 run.steps=25",
+        grpo="env.kwargs.ignore_terminations=true rollout.steps=100 env.num_envs=64 policy.init_std_scale=0.25 "
+             "cluster.placement='env,rollout,actor: 0-1' algorithm.name=grpo env.seed_groups=8 algorithm.vf_coef=0 "
+             "actor.lr=3e-5 actor.epochs=4 actor.minibatch_size=1600 algorithm.target_kl=0.02 run.steps=20"),
 }
 
 
@@ -122,7 +123,8 @@ def run_task(task: str, args) -> dict:
         sh([*m2flow, "demos", task, "-n", str(max(recipe.get("demos", clone), clone)), "--out", str(demos)],
            out / "demos.log")
     bc = out / "bc"
-    sh([*m2flow, "sft", preset, str(bc), "--demos", str(demos), "--demo-episodes", str(clone), *common], out / "bc.log")
+    sh([*m2flow, "sft", preset, str(bc), "--demos", str(demos), "--demo-episodes", str(clone),
+        *shlex.split(recipe.get("sft", "")), *common], out / "bc.log")
     row = {"task": task, "preset": preset, "demo_episodes": clone,
            "bc": {"success": json.loads((bc / "eval.json").read_text())["success_rate"]}, "commands": {}}
     for name in ("ppo", "grpo"):
