@@ -13,7 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -283,7 +283,12 @@ def to_dict(obj: Any) -> dict:
 
 
 def save_yaml(obj: Any, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(obj) if dataclasses.is_dataclass(obj) else obj, sort_keys=False))
+    """`obj` (a config or a dict) as YAML; a whole config leads with its `flow:`, so that the file loads back as the
+    same kind of config (`m2flow train RUN/config.yaml`)."""
+    data = to_dict(obj) if dataclasses.is_dataclass(obj) else obj
+    if flow := getattr(type(obj), "FLOW", None):
+        data = {"flow": flow, **data}
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def describe(cls: type, where: str = "") -> list[tuple[str, Any, str]]:
@@ -582,6 +587,7 @@ def reasoning_components(cfg) -> list[str]:
 
 @dataclass
 class ReasoningConfig:
+    FLOW: ClassVar[str] = "reasoning"
     run: RunConfig = section(RunConfig, "run name, seed, steps, checkpoints")
     cluster: ClusterConfig = section(ClusterConfig, "Ray cluster and placement")
     model: ModelConfig = section(ModelConfig, "the policy model")
@@ -836,6 +842,7 @@ class EmbodiedEvalConfig:
 
 @dataclass
 class EmbodiedConfig:
+    FLOW: ClassVar[str] = "embodied"
     run: EmbodiedRunConfig = section(EmbodiedRunConfig, "run name, seed, iterations, checkpoints")
     cluster: EmbodiedClusterConfig = section(EmbodiedClusterConfig, "Ray cluster and placement of env, rollout, actor")
     env: EnvConfig = section(EnvConfig, "gymnasium envs, normalization, pipeline stages")

@@ -12,6 +12,7 @@ import yaml
 from gymnasium import spaces
 
 from m2flow import config as C
+from m2flow.api import load_config
 from m2flow.flows.embodied import train
 from m2flow.runtime import Channel, WorkerError, parse_placement, release_all, wait_all
 from m2flow.workers.env import EnvWorker
@@ -166,8 +167,8 @@ def test_resume_with_two_env_workers_restores_weights_and_normalizers(cluster, t
     assert "eval/return_mean" in rows(first)[1] and "eval/return_mean" not in rows(first)[0]
     ckpt = tmp_path / "resume" / "checkpoints"
     counts2 = [float(load_file(str(ckpt / "step_2" / f"env_{r}.safetensors"))["obs.count"]) for r in (0, 1)]
-    second = train(cfg_for(tmp_path, "resume", cluster=two, env={"norm_obs": True}, run={"steps": 3, "resume": True}),
-                   cluster)
+    # resumed from the run's own config.yaml, as `m2flow train runs/NAME/config.yaml run.resume=true` does
+    second = train(load_config(str(tmp_path / "resume" / "config.yaml"), ["run.steps=3", "run.resume=true"]), cluster)
     history = rows(second)
     assert [r["step"] for r in history] == [1, 2, 3] and second["iterations"] == 1
     assert history[-1]["env_steps"] == 3 * 8 * 32 and rows(first)[1] == history[1]

@@ -58,3 +58,15 @@ def test_a_mapping_given_as_an_override_replaces_the_presets_where_dotted_keys_m
     assert C.load(C.ReasoningConfig, "agent_calc", ["agent.tools={py: python}"]).agent.tools == {"py": "python"}
     assert C.load(C.ReasoningConfig, "agent_calc", ["agent.tools.py=python"]).agent.tools == {"calc": "calc",
                                                                                              "py": "python"}
+
+
+@pytest.mark.parametrize("preset", ["ppo_pickcube", "grpo_arithmetic"])
+def test_a_runs_saved_config_loads_back_as_the_same_flow_with_its_values(preset, tmp_path):
+    from m2flow import api
+
+    cfg = api.load_config(preset, ["run.steps=7", "run.seed=3"])
+    C.save_yaml(cfg, tmp_path / "config.yaml")
+    assert C.read_yaml(tmp_path / "config.yaml")["flow"] == type(cfg).FLOW
+    again = api.load_config(str(tmp_path / "config.yaml"), ["run.resume=true"])
+    assert type(again) is type(cfg)
+    assert C.to_dict(again) == {**C.to_dict(cfg), "run": {**C.to_dict(cfg)["run"], "resume": True}}
