@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 # the CLI beside this interpreter (a virtual environment's bin/), else the one on PATH
-M2FLOW = str(Path(sys.executable).with_name("m2flow")) if Path(sys.executable).with_name("m2flow").exists() \
-    else shutil.which("m2flow") or "m2flow"
+_BESIDE = Path(sys.executable).with_name("m2flow")
+M2FLOW = str(_BESIDE) if _BESIDE.exists() else shutil.which("m2flow") or "m2flow"
 
 # task -> preset, demonstrations recorded, demonstrations cloned (few: room for RL), `m2flow sft`'s options, PPO's and
 # GRPO's overrides
@@ -116,20 +116,19 @@ def run_task(task: str, args) -> dict:
     clone = args.demo_episodes or recipe.get("clone", 5)
     out = Path(args.out) / task.replace("/", "_")
     out.mkdir(parents=True, exist_ok=True)
-    m2flow = [M2FLOW]
     common = [f"env.id={task}", f"eval.episodes={args.episodes}"]
     demos = out / "demos"
     if not (demos / "demos.json").exists():
-        sh([*m2flow, "demos", task, "-n", str(max(recipe.get("demos", clone), clone)), "--out", str(demos)],
+        sh([M2FLOW, "demos", task, "-n", str(max(recipe.get("demos", clone), clone)), "--out", str(demos)],
            out / "demos.log")
     bc = out / "bc"
-    sh([*m2flow, "sft", preset, str(bc), "--demos", str(demos), "--demo-episodes", str(clone),
+    sh([M2FLOW, "sft", preset, str(bc), "--demos", str(demos), "--demo-episodes", str(clone),
         *shlex.split(recipe.get("sft", "")), *common], out / "bc.log")
     row = {"task": task, "preset": preset, "demo_episodes": clone,
            "bc": {"success": json.loads((bc / "eval.json").read_text())["success_rate"]}, "commands": {}}
     for name in ("ppo", "grpo"):
         overrides = shlex.split(recipe.get(name, "")) + shlex.split(getattr(args, name))
-        cmd = [*m2flow, "train", preset, *common, f"policy.init={bc}", f"run.dir={out}", f"run.name={name}",
+        cmd = [M2FLOW, "train", preset, *common, f"policy.init={bc}", f"run.dir={out}", f"run.name={name}",
                "run.overwrite=true", *overrides]
         with LoadSampler() as load:
             seconds = sh(cmd, out / f"{name}.log")
