@@ -768,7 +768,8 @@ class EmbodiedRolloutConfig:
 
 @dataclass
 class EmbodiedAlgorithmConfig:
-    name: str = opt("ppo", "ppo (GAE) | grpo (group-relative outcome advantages over envs sharing a reset seed)")
+    name: str = opt("ppo", "ppo (GAE) | grpo (group-relative outcome advantages over envs sharing a reset seed) | "
+                           "sac (off-policy soft actor-critic with a replay buffer: the sac section)")
     gamma: float = opt(0.99, "discount")
     lam: float = opt(0.95, "GAE lambda")
     clip: float = opt(0.2, "PPO clip range")
@@ -781,8 +782,8 @@ class EmbodiedAlgorithmConfig:
     score: str = opt("auto", "grpo outcome per env: success (success_once) | return | auto (success if reported)")
 
     def validate(self, where: str) -> None:
-        if self.name not in ("ppo", "grpo"):
-            raise ConfigError(f"{where}.name must be ppo | grpo, got '{self.name}'")
+        if self.name not in ("ppo", "grpo", "sac"):
+            raise ConfigError(f"{where}.name must be ppo | grpo | sac, got '{self.name}'")
         if self.score not in ("auto", "success", "return"):
             raise ConfigError(f"{where}.score must be auto | success | return, got '{self.score}'")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1 and 0 < self.clip < 1):
@@ -834,6 +835,61 @@ def _validate_nonfinite(actor, where: str) -> None:
 
 
 @dataclass
+class SACConfig:
+    """Stable-Baselines3's SAC options, with its names and defaults; the learning rate is actor.lr (the actor's,
+    the critics' and the temperature's), the discount algorithm.gamma, the networks' sizes policy.hidden."""
+    buffer_size: int = opt(1_000_000, "replay buffer capacity in transitions (checked against free memory at start)")
+    learning_starts: int = opt(100, "env steps (all envs together) of uniform random actions before the first update")
+    batch_size: int = opt(256, "transitions per gradient step")
+    tau: float = opt(0.005, "Polyak coefficient of the target critics' update")
+    train_freq: int = opt(1, "env steps per env between updates: the rollout of one iteration")
+    gradient_steps: int = opt(1, "gradient steps per iteration (-1: as many as env steps collected, all envs)")
+    ent_coef: float | str = opt("auto", "entropy temperature alpha: a number (fixed), 'auto' (tuned, from 1) or "
+                                        "'auto_X' (tuned, from X)")
+    target_entropy: float | str = opt("auto", "the entropy 'auto' tuning aims at: 'auto' (-action dims) or a number")
+    target_update_interval: int = opt(1, "gradient steps between target-critic updates")
+    max_policy_lag: int = opt(0, "0: an iteration's updates see its own env steps (SB3's order: collect, then "
+                                 "update); 1: the learner updates on the steps before while the envs collect the "
+                                 "next (overlapped when the plan puts them on different devices)")
+
+    def validate(self, where: str) -> None:
+        for name in ("buffer_size", "batch_size", "train_freq", "target_update_interval"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.learning_starts < 0 or self.gradient_steps == 0 or self.gradient_steps < -1:
+            raise ConfigError(f"{where}: learning_starts must be >= 0 and gradient_steps >= 1 or -1, got "
+                              f"{self.learning_starts} and {self.gradient_steps}")
+        if not 0 < self.tau <= 1:
+            raise ConfigError(f"{where}.tau must be in (0, 1], got {self.tau}")
+        if self.max_policy_lag not in (0, 1):
+            raise ConfigError(f"{where}.max_policy_lag must be 0 or 1, got {self.max_policy_lag}")
+        self.alpha_init()
+        self.target(1)
+
+    def alpha_init(self) -> tuple[float, bool]:
+        """(initial alpha, whether it is tuned) from ent_coef."""
+        text = str(self.ent_coef)
+        tuned = text.startswith("auto")
+        value = text[5:] if text.startswith("auto_") else ("1.0" if tuned else text)
+        try:
+            alpha = float(value)
+        except ValueError:
+            raise ConfigError(f"sac.ent_coef must be a number, 'auto' or 'auto_X', got '{self.ent_coef}'") from None
+        if not alpha > 0:
+            raise ConfigError(f"sac.ent_coef must be > 0, got '{self.ent_coef}'")
+        return alpha, tuned
+
+    def target(self, action_dims: int) -> float:
+        """The target entropy for actions of `action_dims` numbers."""
+        if str(self.target_entropy) == "auto":
+            return -float(action_dims)
+        try:
+            return float(self.target_entropy)
+        except ValueError:
+            raise ConfigError(f"sac.target_entropy must be 'auto' or a number, got '{self.target_entropy}'") from None
+
+
+@dataclass
 class EmbodiedEvalConfig:
     episodes: int = opt(10, "deterministic evaluation episodes on the final checkpoint (0: none)")
     num_envs: int = opt(8, "envs stepped together during evaluation")
@@ -850,6 +906,7 @@ class EmbodiedConfig:
     rollout: EmbodiedRolloutConfig = section(EmbodiedRolloutConfig, "rollout length")
     algorithm: EmbodiedAlgorithmConfig = section(EmbodiedAlgorithmConfig, "advantages and losses")
     actor: EmbodiedActorConfig = section(EmbodiedActorConfig, "optimization")
+    sac: SACConfig = section(SACConfig, "off-policy SAC (algorithm.name=sac): replay buffer, update schedule")
     eval: EmbodiedEvalConfig = section(EmbodiedEvalConfig, "evaluation after training")
 
     def validate(self, where: str) -> None:
@@ -864,5 +921,11 @@ class EmbodiedConfig:
         if self.actor.bc_coef > 0 and self.env.norm_obs:
             raise ConfigError("actor.bc_coef with env.norm_obs=true is not supported yet (the demonstrations' "
                               "observations are not normalized); set env.norm_obs=false")
+        if self.algorithm.name == "sac":
+            if self.policy.kind != "mlp" or self.env.chunk != 1 or self.env.seed_groups != 1:
+                raise ConfigError("algorithm.name=sac needs policy.kind=mlp, env.chunk=1 and env.seed_groups=1 "
+                                  f"(got {self.policy.kind}, {self.env.chunk}, {self.env.seed_groups})")
+            if self.actor.bc_coef > 0:
+                raise ConfigError("actor.bc_coef is PPO's behaviour-cloning term; algorithm.name=sac does not use it")
         if self.algorithm.name == "grpo" and self.env.seed_groups < 2:
             raise ConfigError("algorithm.name=grpo needs env.seed_groups >= 2 (advantages are relative within a group)")

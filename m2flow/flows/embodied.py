@@ -1,7 +1,9 @@
-"""Embodied RL (PPO / GRPO in gymnasium simulators): the macro flow, one driver for every plan.
+"""Embodied RL (PPO / GRPO / SAC in gymnasium simulators): the macro flow, one driver for every plan.
 
 env workers <-> policy workers (each env stage's obs out, its actions back) -> trajectories through a channel ->
-actor -> weights back to the policy workers. Lockstep or pipelined stages, collocated or hybrid placement, one env
+actor -> weights back to the policy workers. On-policy (PPO, GRPO) the actor updates from the rollout it receives;
+off-policy (SAC) the actor is a learner that takes the rollout into its replay buffer and updates from samples of
+it, on the same calls. Lockstep or pipelined stages, collocated or hybrid placement, one env
 worker or several: all of it lives in the config and the plan, not here. `evaluate_checkpoint` runs a saved policy
 deterministically.
 """
@@ -27,6 +29,7 @@ from m2flow.scheduler.plan import ExecutionPlan, make_plan
 from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
 from m2flow.workers.env import EnvWorker, make_env_group, video_recorder, wait_rollout
 from m2flow.workers.policy import PolicyWorker, make_policy
+from m2flow.workers.sac_learner import SACLearnerWorker
 from m2flow.workers.sync import finish_sync, start_sync, sync_weights
 from m2flow.workloads.embodied import maniskill
 
@@ -35,6 +38,7 @@ PLOTS = {
     "return": ["rollout/return", "rollout/return_window", "eval/return_mean"],
     "success": ["rollout/success_once"],
     "losses": ["actor/pg_loss", "actor/vf_loss", "actor/entropy"],
+    "sac": ["sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/entropy"],
     "kl_clip": ["actor/approx_kl", "actor/clipfrac", "actor/explained_var"],
     "throughput": ["throughput/env_steps_per_s", "throughput/rollout_env_steps_per_s"],
     "seconds": ["time/iteration", "time/rollout", "time/update", "time/weight_sync"],
@@ -66,11 +70,14 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
 
     # created before the workers, so that its process starts while theirs do (else the first put waits ~0.5 s for it)
     trajectories = Channel.create(f"{run.path.resolve()}:{time.time_ns()}/trajectories")
+    sac = cfg.algorithm.name == "sac"
+    steps_per_rollout = cfg.sac.train_freq if sac else cfg.rollout.steps
     try:
         env = EnvWorker.launch(cluster, plan["env"], cfg, run_dir=str(run.path))
         obs_space, action_space = env.on(0).spaces().wait()[0]
+        learner = SACLearnerWorker if sac else EmbodiedActorWorker
         rollout, actor = launch_all(cluster, [(PolicyWorker, plan["rollout"], (cfg, obs_space, action_space)),
-                                              (EmbodiedActorWorker, plan["actor"], (cfg, obs_space, action_space))],
+                                              (learner, plan["actor"], (cfg, obs_space, action_space))],
                                     run_dir=str(run.path),
                                     host_with=[env if cohost else None, env if actor_cohost else None])
     except BaseException:
@@ -102,7 +109,7 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
                     trace = cfg.run.trace and (step < 2 or (cfg.run.trace_every > 0 and step % cfg.run.trace_every == 0))
                     checked = cfg.rollout.checks_sync(step - start + 1)
                     handles = [
-                        env.call_per_rank("rollout", [(policy_of[r], trajectories, cfg.rollout.steps, step,
+                        env.call_per_rank("rollout", [(policy_of[r], trajectories, steps_per_rollout, step,
                                                        actor.world_size, trace) for r in range(env.world_size)]),
                         actor.train(trajectories, step, env.world_size),
                     ]

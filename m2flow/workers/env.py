@@ -94,7 +94,7 @@ class EnvWorker(Worker):
             with self._in_env():
                 obs = self.group.reset(seed=self.reset_seed(step))
             self.obs = [obs[st.env_indices.start:st.env_indices.stop] for st in self.stages]
-        chunked = self.cfg_env.chunk > 1
+        chunked, off_policy = self.cfg_env.chunk > 1, self.cfg.algorithm.name == "sac"
         rows: list[list[dict]] = [[] for _ in self.stages]
         truncs = [np.zeros(0, np.int64) for _ in self.stages]
         timing = {"env_time": 0.0, "wait_time": 0.0, "policy_time": 0.0}
@@ -131,6 +131,8 @@ class EnvWorker(Worker):
                                 "values": reply["values"], "rewards": res.reward, "raw_rewards": res.raw_reward,
                                 "terminated": res.terminated, "truncated": res.truncated,
                                 "final_values": np.zeros(st.num_envs, np.float32)})
+                if off_policy:  # the replay buffer's next obs where an episode ended
+                    rows[s][-1]["final_obs"] = res.final_obs
                 truncs[s] = np.flatnonzero(res.truncated)
                 self.obs[s] = res.obs
                 final = res.final_obs[truncs[s]] if truncs[s].size else None

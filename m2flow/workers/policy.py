@@ -18,12 +18,18 @@ from torch import nn
 
 from m2flow.runtime import Worker
 from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
-from m2flow.workloads.embodied import ActorCritic, build_policy, categorical_logprob, gaussian_logprob
+from m2flow.workloads.embodied import (ActorCritic, SquashedGaussianActor, build_policy, categorical_logprob,
+                                      gaussian_logprob)
 
 
-def make_policy(cfg, obs_space, action_space) -> ActorCritic:
-    """The actor-critic of `cfg.policy` for these spaces, initialized from `run.seed` (the global RNG is left as is)."""
+def make_policy(cfg, obs_space, action_space) -> ActorCritic | SquashedGaussianActor:
+    """The actor-critic of `cfg.policy` for these spaces (SAC: its squashed-Gaussian actor), initialized from
+    `run.seed` (the global RNG is left as is)."""
     p = cfg.policy
+    if cfg.algorithm.name == "sac":
+        with torch.random.fork_rng():
+            torch.manual_seed(cfg.run.seed)
+            return SquashedGaussianActor(int(np.prod(obs_space.shape)), action_space, tuple(p.hidden), p.activation)
     kw = dict(features_dim=p.features_dim) if p.kind == "cnn" else dict(hidden=tuple(p.hidden), activation=p.activation)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.run.seed)
@@ -45,6 +51,8 @@ def sample_actions(policy: ActorCritic, obs: torch.Tensor, noise_seed: int | Non
     """
     if noise_seed is None:
         return policy.act(obs, deterministic=True)
+    if isinstance(policy, SquashedGaussianActor):
+        return _sample_sac(policy, obs, noise_seed, lo, total)
     actor_feat, critic_feat = policy.features(obs)
     out = policy.head(actor_feat)  # means or logits, in closed form below: a third of a distribution's ops
     gen = torch.Generator().manual_seed(noise_seed)
@@ -61,6 +69,20 @@ def sample_actions(policy: ActorCritic, obs: torch.Tensor, noise_seed: int | Non
         logprob = policy._sum(categorical_logprob(log_p, index))
         action = index + int(policy.action_space.start)
     return action, logprob, policy.critic_head(critic_feat).squeeze(-1)
+
+
+def _sample_sac(policy: SquashedGaussianActor, obs: torch.Tensor, noise_seed: int, lo: int, total: int):
+    """sample_actions for SAC's actor: u = mean + std eps, eps as above, squashed into the Box's bounds."""
+    eps = torch.randn((total, *policy.mu.bias.shape), generator=torch.Generator().manual_seed(noise_seed))
+    unit, logprob = policy.sample(obs, eps[lo:lo + len(obs)])
+    return policy.to_env(unit), logprob, torch.zeros(len(obs))
+
+
+def uniform_actions(space: spaces.Box, noise_seed: int, lo: int, n: int, total: int) -> np.ndarray:
+    """Actions drawn uniformly from the Box (SAC's first `learning_starts` env steps), env i's as above."""
+    gen = torch.Generator().manual_seed(noise_seed)
+    u = torch.rand((total, *space.shape), generator=gen, dtype=torch.float64)[lo:lo + n].numpy()
+    return (space.low + u * (space.high - space.low)).astype(space.dtype)
 
 
 def readonly_tensor(a: np.ndarray) -> torch.Tensor:
@@ -86,6 +108,8 @@ class PolicyWorker(Worker):
         torch.distributions.Distribution.set_default_validate_args(False)  # this process only builds valid ones
         self.policy = make_policy(cfg, obs_space, action_space).eval()
         self.version = 0
+        # SAC acts uniformly at random for its first learning_starts env steps (all envs), as SB3
+        self.random_until = cfg.sac.learning_starts if cfg.algorithm.name == "sac" else 0
 
     @torch.no_grad()
     def act(self, req: dict) -> dict:
@@ -99,6 +123,9 @@ class PolicyWorker(Worker):
             nseed = None if self.cfg.rollout.deterministic else noise_seed(self.cfg.run.seed, req["t"])
             actions, logprobs, values = sample_actions(self.policy, obs, nseed, req["lo"], req["total"])
             reply = {"actions": actions.numpy(), "logprobs": logprobs.numpy(), "values": values.numpy()}
+            if self.random_until and req["t"] * req["total"] < self.random_until:  # SAC's learning_starts
+                seed = noise_seed(self.cfg.run.seed + 1, req["t"])
+                reply["actions"] = uniform_actions(self.policy.action_space, seed, req["lo"], len(obs), req["total"])
             if m:
                 values = torch.cat([values, self.policy.value(readonly_tensor(final))])
         reply["final_values"] = values[len(obs):].numpy() if m else None

@@ -536,6 +536,8 @@ class Trajectory:
     final_values: torch.Tensor  # [T, N] V(final obs) where truncated, else 0
     next_obs: torch.Tensor  # [N, *obs] obs after the last step (start of the next rollout)
     next_values: torch.Tensor  # [N] V(next_obs): bootstrap for step T-1
+    final_obs: torch.Tensor | None = None  # [T, N, *obs] the episode's last obs where a step ended one, else 0
+    # (recorded for off-policy algorithms only: their replay buffer's next obs)
 
     @staticmethod
     def cat_envs(parts: Sequence["Trajectory"]) -> "Trajectory":
@@ -543,7 +545,8 @@ class Trajectory:
         joined = {}
         for f in fields(Trajectory):
             dim = 0 if f.name.startswith("next_") else 1
-            joined[f.name] = torch.cat([getattr(p, f.name) for p in parts], dim=dim)
+            got = [getattr(p, f.name) for p in parts]
+            joined[f.name] = None if got[0] is None else torch.cat(got, dim=dim)
         return Trajectory(**joined)
 
 

@@ -12,6 +12,8 @@ from gymnasium import spaces
 from torch import nn
 from torch.distributions import Categorical, Normal
 
+from m2flow.algorithms.sac import squashed_gaussian_logprob
+
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "elu": nn.ELU}
 
@@ -234,3 +236,87 @@ def build_policy(obs_space: spaces.Box, action_space: spaces.Space, kind: str = 
             raise ValueError(f"kind='cnn' needs uint8 [C, H, W] pixel obs (pixels=True), got {obs_space}")
         return CNNActorCritic(tuple(obs_space.shape), action_space, **kw)
     raise ValueError(f"unknown policy kind {kind!r}; expected mlp | cnn | instruct")
+
+
+class SquashedGaussianActor(nn.Module):
+    """SAC's actor (as SB3's): an MLP trunk, then the mean and a state-dependent log std (clamped to [-20, 2]) of a
+    Gaussian over u; the action is tanh(u), scaled from [-1, 1] to the Box's bounds. `act` gives actions in the env's
+    units, with the ActorCritic interface (the value is 0: SAC's critics are Q functions, kept by the learner)."""
+
+    LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
+
+    def __init__(self, obs_dim: int, action_space: spaces.Space, hidden: tuple[int, ...] = (256, 256),
+                 activation: str = "relu"):
+        super().__init__()
+        if not isinstance(action_space, spaces.Box) or not np.all(np.isfinite(action_space.low)) or not np.all(
+                np.isfinite(action_space.high)):
+            raise ValueError(f"SAC needs a bounded Box action space (its actions are squashed into the bounds), got "
+                             f"{action_space}")
+        self.action_space, self.obs_dim, self.chunk = action_space, obs_dim, 1
+        self.act_shape = tuple(action_space.shape)
+        dim = math.prod(self.act_shape)
+        self.trunk = _torch_mlp(obs_dim, tuple(hidden), ACTIVATIONS[activation])
+        width = hidden[-1] if hidden else obs_dim
+        self.mu, self.log_std_head = nn.Linear(width, dim), nn.Linear(width, dim)
+        low, high = (torch.as_tensor(b, dtype=torch.float32).reshape(-1) for b in (action_space.low,
+                                                                                 action_space.high))
+        self.register_buffer("scale", (high - low) / 2, persistent=False)
+        self.register_buffer("bias", (high + low) / 2, persistent=False)
+
+    def dist(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """obs [B, *obs] -> (mean, log std) of u, each [B, A]."""
+        x = torch.as_tensor(obs, device=self.mu.weight.device).float().flatten(1)
+        if x.shape[1] != self.obs_dim:
+            raise ValueError(f"SquashedGaussianActor: obs of shape {tuple(obs.shape)} flatten to {x.shape[1]} "
+                             f"features, expected obs_dim={self.obs_dim}")
+        h = _run(self.trunk, x)
+        return self.mu(h), self.log_std_head(h).clamp(self.LOG_STD_MIN, self.LOG_STD_MAX)
+
+    def sample(self, obs: torch.Tensor, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reparameterized: u = mean + std eps -> (tanh(u) in [-1, 1] [B, A], log pi [B]); gradients flow."""
+        mean, log_std = self.dist(obs)
+        u = mean + log_std.exp() * eps
+        return torch.tanh(u), squashed_gaussian_logprob(u, mean, log_std)
+
+    def to_env(self, unit: torch.Tensor) -> torch.Tensor:
+        """[-1, 1] -> the Box's units, shaped [B, *act]."""
+        return (unit * self.scale + self.bias).view(-1, *self.act_shape)
+
+    def to_unit(self, actions: torch.Tensor) -> torch.Tensor:
+        """The Box's units [B, *act] -> [-1, 1] [B, A] (what the critics read)."""
+        return (actions.reshape(len(actions), -1).float() - self.bias) / self.scale
+
+    def act(self, obs: torch.Tensor, deterministic: bool = False):
+        """obs -> (action in the env's units [B, *act], log pi [B], value 0 [B]); deterministic: tanh(mean)."""
+        mean, log_std = self.dist(obs)
+        if deterministic:
+            return self.to_env(torch.tanh(mean)), torch.zeros(len(mean)), torch.zeros(len(mean))
+        unit, logp = self.sample(obs, torch.randn_like(mean))
+        return self.to_env(unit), logp, torch.zeros(len(mean))
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(obs))
+
+
+class TwinQ(nn.Module):
+    """SAC's two critics Q1, Q2(obs, action in [-1, 1]), separate MLPs on [obs; action]."""
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden: tuple[int, ...] = (256, 256), activation: str = "relu"):
+        super().__init__()
+        act = ACTIVATIONS[activation]
+        width = hidden[-1] if hidden else obs_dim + act_dim
+        self.q1 = nn.Sequential(_torch_mlp(obs_dim + act_dim, tuple(hidden), act), nn.Linear(width, 1))
+        self.q2 = nn.Sequential(_torch_mlp(obs_dim + act_dim, tuple(hidden), act), nn.Linear(width, 1))
+
+    def forward(self, obs: torch.Tensor, unit_actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.cat([obs.float().flatten(1), unit_actions], dim=1)
+        return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
+
+
+def _torch_mlp(in_dim: int, hidden: tuple[int, ...], activation: type[nn.Module]) -> nn.Sequential:
+    """Linear + activation layers with torch's default init (SB3's off-policy networks)."""
+    layers, d = [], in_dim
+    for h in hidden:
+        layers += [nn.Linear(d, h), activation()]
+        d = h
+    return nn.Sequential(*layers)

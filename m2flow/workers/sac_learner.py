@@ -1,0 +1,164 @@
+"""SAC learner worker: the off-policy flow's `actor` component. It takes the env workers' trajectories into its
+replay buffer, takes SAC gradient steps on minibatches sampled from it (twin critics with Polyak-averaged targets,
+the squashed-Gaussian actor, the entropy temperature), publishes the actor's weights and writes checkpoints that
+hold the buffer and every generator, so a resumed run continues as an uninterrupted one. It never steps an env.
+
+The order within an iteration is the plan's staleness contract (`sac.max_policy_lag`): 0 takes the iteration's
+env steps into the buffer first, then updates (SB3's collect-then-train); 1 updates on the steps gathered so far
+while the env workers collect the next ones, and takes those in afterwards, so collection and learning overlap when
+the plan puts them on different devices.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from m2flow.algorithms import actor_loss, critic_loss, polyak_update, soft_td_target, temperature_loss
+from m2flow.runtime import Worker
+from m2flow.runtime.files import load_plain
+from m2flow.runtime.weights import publish
+from m2flow.workers.embodied_actor import load_policy
+from m2flow.workers.policy import make_policy
+from m2flow.workers.sync import PublishesWeights
+from m2flow.workloads.embodied import Trajectory, TwinQ
+from m2flow.workloads.embodied.replay import ReplayBuffer, transitions
+
+STATS = ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/entropy", "sac/q_mean")
+
+
+class SACLearnerWorker(PublishesWeights, Worker):
+    def __init__(self, cfg, obs_space, action_space):
+        if self.world_size > 1:
+            raise ValueError(f"algorithm.name=sac trains on one actor rank (the placement gives it "
+                             f"{self.world_size}); place the actor on one device, e.g. 'actor: 0-1:0'")
+        self.cfg, s = cfg, cfg.sac
+        self.policy = make_policy(cfg, obs_space, action_space).train()
+        if cfg.policy.init:
+            load_policy(self.policy, Path(cfg.policy.init))
+        dims = math.prod(self.policy.act_shape)
+        with torch.random.fork_rng():
+            torch.manual_seed(cfg.run.seed + 1)
+            self.critic = TwinQ(self.policy.obs_dim, dims, tuple(cfg.policy.hidden), cfg.policy.activation)
+        self.target = copy.deepcopy(self.critic).requires_grad_(False)
+        alpha, self.tuned = s.alpha_init()
+        self.log_alpha = torch.tensor(math.log(alpha), requires_grad=self.tuned)
+        self.target_entropy = s.target(dims)
+        lr = cfg.actor.lr
+        # fused Adam: one kernel per step instead of a dozen small ops per tensor
+        self.actor_opt = torch.optim.Adam(self.policy.parameters(), lr=lr, fused=True)
+        self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=lr, fused=True)
+        self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=lr, fused=True) if self.tuned else None
+        self.buffer = ReplayBuffer(s.buffer_size, tuple(obs_space.shape), self.policy.act_shape,
+                                   seed=cfg.run.seed + 4242)
+        self.gen = torch.Generator().manual_seed(cfg.run.seed + 777)  # the updates' reparameterization noise
+        self.version, self.updates, self.env_steps = 0, 0, 0
+
+    def train(self, inp, step: int, producers: int) -> dict:
+        """One iteration: take the `producers` env workers' trajectories on `inp` (key: this rank) into the buffer
+        and take the iteration's gradient steps, in the order of sac.max_policy_lag."""
+        lag = self.cfg.sac.max_policy_lag
+        out, start = {}, time.perf_counter()
+        if lag:  # update on what the buffer holds while the env workers collect
+            out = self._updates(step, self.cfg.sac.gradient_steps)
+        added = self._take(inp, producers)
+        if not lag:
+            out = self._updates(step, self.cfg.sac.gradient_steps if self.cfg.sac.gradient_steps > 0 else added)
+        self.version += 1
+        return {**out, "time/update": time.perf_counter() - start, "sac/buffer_size": len(self.buffer),
+                "sac/buffer_mib": self.buffer.nbytes / 2**20, "sac/updates_total": self.updates}
+
+    def _take(self, inp, producers: int) -> int:
+        items = sorted((inp.get(key=self.rank) for _ in range(producers)), key=lambda x: x["env_rank"])
+        batch = transitions(Trajectory.cat_envs([x["traj"] for x in items]))
+        batch["actions"] = self.policy.to_unit(batch["actions"]).clamp(-1.0, 1.0)
+        self.buffer.add(batch)
+        self.env_steps += len(batch["rewards"])
+        return len(batch["rewards"])
+
+    def _updates(self, step: int, n: int) -> dict:
+        """n gradient steps (-1 with a lag: as many as the last iteration's env steps), once the buffer holds
+        learning_starts env steps."""
+        if n < 0:
+            n = self.cfg.sac.train_freq * self.cfg.env.num_envs
+        if self.env_steps < max(self.cfg.sac.learning_starts, 1) or not n:
+            return {"sac/updates": 0}
+        with self.device_phase("train", step):
+            stats = torch.stack([self._update() for _ in range(n)]).mean(0).tolist()
+        return {**dict(zip(STATS, stats)), "sac/updates": n}
+
+    def _update(self) -> torch.Tensor:
+        s, gamma = self.cfg.sac, self.cfg.algorithm.gamma
+        b = self.buffer.sample(s.batch_size)
+        eps = torch.randn((2, s.batch_size, *self.policy.mu.bias.shape), generator=self.gen)
+        pi, logp = self.policy.sample(b["obs"], eps[0])
+        alpha = self.log_alpha.detach().exp()  # this step's temperature, before its own update (as SB3)
+        if self.tuned:
+            self.alpha_opt.zero_grad()
+            temperature_loss(self.log_alpha, logp, self.target_entropy).backward()
+            self.alpha_opt.step()
+        with torch.no_grad():
+            next_pi, next_logp = self.policy.sample(b["next_obs"], eps[1])
+            y = soft_td_target(b["rewards"], b["terminated"], *self.target(b["next_obs"], next_pi), next_logp, alpha,
+                               gamma)
+        q1, q2 = self.critic(b["obs"], b["actions"])
+        c_loss = critic_loss(q1, q2, y)
+        self.critic_opt.zero_grad()
+        c_loss.backward()
+        self.critic_opt.step()
+        self.critic.requires_grad_(False)  # the actor's loss differentiates through the critics, not into them
+        a_loss = actor_loss(logp, *self.critic(b["obs"], pi), alpha)
+        self.actor_opt.zero_grad()
+        a_loss.backward()
+        self.actor_opt.step()
+        self.critic.requires_grad_(True)
+        self.updates += 1
+        if self.updates % s.target_update_interval == 0:
+            polyak_update(list(self.target.parameters()), list(self.critic.parameters()), s.tau)
+        return torch.stack([c_loss.detach(), a_loss.detach(), alpha, -logp.detach().mean(), q1.detach().mean()])
+
+    # -- weights and checkpoints -----------------------------------------------------------------
+    def publish_weights(self, check: bool = True, local: bool = False):
+        """The actor's weights (all the rollout needs), with their digest when the receivers are `check`ed."""
+        return publish(self.policy.state_dict(), self.version, digest=check, local=local)
+
+    def save_checkpoint(self, directory: str) -> None:
+        """policy.safetensors (the actor: what evaluation loads), sac_critic.safetensors (critics, targets, log alpha),
+        replay.safetensors (the buffer and its generator), sac_state.pt (optimizers, generator, counters)."""
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        save_file({k: v.contiguous() for k, v in self.policy.state_dict().items()}, str(d / "policy.safetensors"))
+        nets = {**{f"critic.{k}": v for k, v in self.critic.state_dict().items()},
+                **{f"target.{k}": v for k, v in self.target.state_dict().items()},
+                "log_alpha": self.log_alpha.detach().clone()}
+        save_file({k: v.contiguous() for k, v in nets.items()}, str(d / "sac_critic.safetensors"))
+        save_file(self.buffer.state_dict(), str(d / "replay.safetensors"))
+        torch.save({"actor_opt": self.actor_opt.state_dict(), "critic_opt": self.critic_opt.state_dict(),
+                    "alpha_opt": self.alpha_opt.state_dict() if self.alpha_opt else None, "gen": self.gen.get_state(),
+                    "version": self.version, "updates": self.updates, "env_steps": self.env_steps},
+                   d / "sac_state.pt")
+
+    def load_checkpoint(self, directory: str) -> int:
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        load_policy(self.policy, d)
+        nets = load_file(str(d / "sac_critic.safetensors"))
+        self.critic.load_state_dict({k[7:]: v for k, v in nets.items() if k.startswith("critic.")})
+        self.target.load_state_dict({k[7:]: v for k, v in nets.items() if k.startswith("target.")})
+        with torch.no_grad():
+            self.log_alpha.copy_(nets["log_alpha"])
+        self.buffer.load_state_dict(load_file(str(d / "replay.safetensors")))
+        s = load_plain(d / "sac_state.pt")
+        self.actor_opt.load_state_dict(s["actor_opt"])
+        self.critic_opt.load_state_dict(s["critic_opt"])
+        if self.alpha_opt is not None and s["alpha_opt"] is not None:
+            self.alpha_opt.load_state_dict(s["alpha_opt"])
+        self.gen.set_state(s["gen"])
+        self.version, self.updates, self.env_steps = s["version"], s["updates"], s["env_steps"]
+        return self.version

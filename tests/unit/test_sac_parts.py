@@ -1,0 +1,94 @@
+"""SAC's parts below the flow: the squashed-Gaussian actor (bounds, log-probabilities, the seeded sampler the policy
+worker uses), the uniform warm-up actions, the sac config section's errors."""
+
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+
+from m2flow import config as C
+from m2flow.algorithms import squashed_gaussian_logprob
+from m2flow.workers.policy import make_policy, sample_actions, uniform_actions
+from m2flow.workloads.embodied import SquashedGaussianActor, TwinQ
+
+BOX = spaces.Box(np.array([-2.0, 0.0], np.float32), np.array([2.0, 1.0], np.float32))
+
+
+def test_actions_stay_in_the_boxs_bounds_and_map_back_to_the_unit_cube():
+    torch.manual_seed(0)
+    actor = SquashedGaussianActor(3, BOX, hidden=(16,))
+    obs = torch.randn(500, 3) * 10
+    action, logp, value = actor.act(obs)
+    assert action.shape == (500, 2) and logp.shape == (500,) and not value.any()
+    assert (action[:, 0].abs() <= 2).all() and (action[:, 1] >= 0).all() and (action[:, 1] <= 1).all()
+    unit = actor.to_unit(action)
+    assert unit.abs().max() <= 1 + 1e-6
+    assert torch.allclose(actor.to_env(unit), action, atol=1e-6)
+    mode = actor.act(obs[:4], deterministic=True)[0]
+    mean, _ = actor.dist(obs[:4])
+    assert torch.allclose(mode, actor.to_env(torch.tanh(mean)))
+
+
+def test_sample_gives_the_squashed_gaussians_log_probability_and_gradients():
+    torch.manual_seed(1)
+    actor = SquashedGaussianActor(3, BOX, hidden=(16,))
+    obs, eps = torch.randn(4, 3), torch.randn(4, 2)
+    unit, logp = actor.sample(obs, eps)
+    mean, log_std = actor.dist(obs)
+    u = mean + log_std.exp() * eps
+    assert torch.allclose(unit, torch.tanh(u)) and torch.allclose(logp, squashed_gaussian_logprob(u, mean, log_std))
+    logp.sum().backward()
+    assert actor.mu.weight.grad is not None and actor.log_std_head.weight.grad.abs().sum() > 0
+
+
+def test_the_policy_workers_sampler_gives_each_env_the_same_action_in_any_stage_split():
+    cfg = C.load(C.EmbodiedConfig, {"algorithm": {"name": "sac"}, "policy": {"hidden": [16]}})
+    actor = make_policy(cfg, spaces.Box(-1, 1, (3,), np.float32), BOX)
+    assert isinstance(actor, SquashedGaussianActor)
+    obs = torch.randn(6, 3)
+    whole = sample_actions(actor, obs, 123, 0, 6)[0]
+    parts = torch.cat([sample_actions(actor, obs[:2], 123, 0, 6)[0], sample_actions(actor, obs[2:], 123, 2, 6)[0]])
+    assert torch.allclose(whole, parts, atol=1e-6)  # the same noise (matmuls of other batch sizes may round apart)
+    assert not torch.allclose(whole, sample_actions(actor, obs, 124, 0, 6)[0], atol=1e-3)
+
+
+def test_uniform_warmup_actions_cover_the_box_and_split_by_env_like_the_policy():
+    a = uniform_actions(BOX, 7, 0, 4000, 4000)
+    assert a.dtype == np.float32 and a.shape == (4000, 2)
+    assert a[:, 0].min() > -2.0 and a[:, 0].max() < 2.0 and abs(a[:, 0].mean()) < 0.1
+    assert abs(a[:, 1].mean() - 0.5) < 0.03
+    assert np.array_equal(uniform_actions(BOX, 7, 10, 5, 4000), a[10:15])
+
+
+def test_twin_critics_are_two_networks():
+    q = TwinQ(3, 2, hidden=(8,))
+    q1, q2 = q(torch.zeros(5, 3), torch.zeros(5, 2))
+    assert q1.shape == q2.shape == (5,) and not torch.equal(q.q1[1].weight, q.q2[1].weight)
+
+
+def test_sac_needs_a_bounded_box():
+    with pytest.raises(ValueError, match="bounded Box"):
+        SquashedGaussianActor(3, spaces.Discrete(2))
+    with pytest.raises(ValueError, match="bounded Box"):
+        SquashedGaussianActor(3, spaces.Box(-np.inf, np.inf, (2,)))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sac.ent_coef=hot", "sac.ent_coef must be a number, 'auto' or 'auto_X', got 'hot'"),
+    ("sac.ent_coef=auto_-1", "sac.ent_coef must be > 0"),
+    ("sac.target_entropy=high", "sac.target_entropy must be 'auto' or a number"),
+    ("sac.gradient_steps=0", "gradient_steps >= 1 or -1"),
+    ("sac.tau=0", r"sac.tau must be in \(0, 1\]"),
+    ("sac.max_policy_lag=2", "sac.max_policy_lag must be 0 or 1"),
+    ("env.chunk=2", "algorithm.name=sac needs policy.kind=mlp, env.chunk=1"),
+])
+def test_bad_sac_settings_name_the_field(override, message):
+    with pytest.raises(C.ConfigError, match=message):
+        C.load(C.EmbodiedConfig, "sac_pendulum", [override])
+
+
+def test_the_temperature_and_entropy_settings_parse():
+    s = C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.ent_coef=auto_0.1", "sac.target_entropy=-3"]).sac
+    assert s.alpha_init() == (0.1, True) and s.target(6) == -3.0
+    s = C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.ent_coef=0.2"]).sac
+    assert s.alpha_init() == (0.2, False) and s.target(6) == -6.0
