@@ -851,8 +851,14 @@ class SACConfig:
     max_policy_lag: int = opt(0, "0: an iteration's updates see its own env steps (SB3's order: collect, then "
                                  "update); 1: the learner updates on the steps before while the envs collect the "
                                  "next (overlapped when the plan puts them on different devices)")
+    demos: str = opt("", "RLPD: `m2flow demos` directories (comma-separated, one per task) whose successful episodes "
+                         "fill a second buffer; each minibatch draws demo_fraction of its rows from it")
+    demo_fraction: float = opt(0.5, "with sac.demos: the share of every minibatch drawn from the demonstrations")
+    demo_episodes: int | None = opt(None, "with sac.demos: use the first N episodes of each dataset (None: all)")
 
     def validate(self, where: str) -> None:
+        if not 0 < self.demo_fraction < 1:
+            raise ConfigError(f"{where}.demo_fraction must be in (0, 1), got {self.demo_fraction}")
         for name in ("buffer_size", "batch_size", "train_freq", "target_update_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")

@@ -7,6 +7,9 @@ The order within an iteration is the plan's staleness contract (`sac.max_policy_
 env steps into the buffer first, then updates (SB3's collect-then-train); 1 updates on the steps gathered so far
 while the env workers collect the next ones, and takes those in afterwards, so collection and learning overlap when
 the plan puts them on different devices.
+
+With `sac.demos` (RLPD's sampling) a second buffer holds the demonstrations' transitions, and every minibatch
+draws `sac.demo_fraction` of its rows from it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from m2flow.workers.embodied_actor import load_policy
 from m2flow.workers.policy import make_policy
 from m2flow.workers.sync import PublishesWeights
 from m2flow.workloads.embodied import Trajectory, TwinQ
+from m2flow.workloads.embodied.bc import demo_transitions
 from m2flow.workloads.embodied.replay import ReplayBuffer, transitions
 
 STATS = ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/entropy", "sac/q_mean")
@@ -55,6 +59,14 @@ class SACLearnerWorker(PublishesWeights, Worker):
         self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=lr, fused=True) if self.tuned else None
         self.buffer = ReplayBuffer(s.buffer_size, tuple(obs_space.shape), self.policy.act_shape,
                                    seed=cfg.run.seed + 4242)
+        self.demos = None
+        if s.demos:  # RLPD: a second buffer, of the demonstrations, fills part of every minibatch
+            data = demo_transitions(s.demos, cfg.env.id, cfg.env.instruct, s.demo_episodes,
+                                    sparse=cfg.env.kwargs.get("reward_mode") == "sparse")
+            data["actions"] = self.policy.to_unit(data["actions"]).clamp(-1.0, 1.0)
+            self.demos = ReplayBuffer(len(data["rewards"]), tuple(obs_space.shape), self.policy.act_shape,
+                                      seed=cfg.run.seed + 4343)
+            self.demos.add(data)
         self.gen = torch.Generator().manual_seed(cfg.run.seed + 777)  # the updates' reparameterization noise
         self.version, self.updates, self.env_steps = 0, 0, 0
 
@@ -93,7 +105,7 @@ class SACLearnerWorker(PublishesWeights, Worker):
 
     def _update(self) -> torch.Tensor:
         s, gamma = self.cfg.sac, self.cfg.algorithm.gamma
-        b = self.buffer.sample(s.batch_size)
+        b = self._sample(s.batch_size)
         eps = torch.randn((2, s.batch_size, *self.policy.mu.bias.shape), generator=self.gen)
         pi, logp = self.policy.sample(b["obs"], eps[0])
         alpha = self.log_alpha.detach().exp()  # this step's temperature, before its own update (as SB3)
@@ -121,6 +133,15 @@ class SACLearnerWorker(PublishesWeights, Worker):
             polyak_update(list(self.target.parameters()), list(self.critic.parameters()), s.tau)
         return torch.stack([c_loss.detach(), a_loss.detach(), alpha, -logp.detach().mean(), q1.detach().mean()])
 
+    def _sample(self, n: int) -> dict[str, torch.Tensor]:
+        """A minibatch of n transitions: from the online buffer, or (RLPD) demo_fraction of them from the
+        demonstrations and the rest from the online buffer."""
+        if self.demos is None:
+            return self.buffer.sample(n)
+        k = round(n * self.cfg.sac.demo_fraction)
+        demo, online = self.demos.sample(k), self.buffer.sample(n - k)
+        return {key: torch.cat([demo[key], online[key]]) for key in online}
+
     # -- weights and checkpoints -----------------------------------------------------------------
     def publish_weights(self, check: bool = True, local: bool = False):
         """The actor's weights (all the rollout needs), with their digest when the receivers are `check`ed."""
@@ -138,6 +159,8 @@ class SACLearnerWorker(PublishesWeights, Worker):
                 "log_alpha": self.log_alpha.detach().clone()}
         save_file({k: v.contiguous() for k, v in nets.items()}, str(d / "sac_critic.safetensors"))
         save_file(self.buffer.state_dict(), str(d / "replay.safetensors"))
+        if self.demos is not None:  # its rows are the dataset's; its generator is what a resume needs
+            save_file({"gen": self.demos.gen.get_state()}, str(d / "replay_demos.safetensors"))
         torch.save({"actor_opt": self.actor_opt.state_dict(), "critic_opt": self.critic_opt.state_dict(),
                     "alpha_opt": self.alpha_opt.state_dict() if self.alpha_opt else None, "gen": self.gen.get_state(),
                     "version": self.version, "updates": self.updates, "env_steps": self.env_steps},
@@ -154,6 +177,8 @@ class SACLearnerWorker(PublishesWeights, Worker):
         with torch.no_grad():
             self.log_alpha.copy_(nets["log_alpha"])
         self.buffer.load_state_dict(load_file(str(d / "replay.safetensors")))
+        if self.demos is not None and (d / "replay_demos.safetensors").exists():
+            self.demos.gen.set_state(load_file(str(d / "replay_demos.safetensors"))["gen"])
         s = load_plain(d / "sac_state.pt")
         self.actor_opt.load_state_dict(s["actor_opt"])
         self.critic_opt.load_state_dict(s["critic_opt"])

@@ -1,5 +1,9 @@
 """SAC's parts below the flow: the squashed-Gaussian actor (bounds, log-probabilities, the seeded sampler the policy
-worker uses), the uniform warm-up actions, the sac config section's errors."""
+worker uses), the uniform warm-up actions, the sac config section's errors, RLPD's demonstration transitions and
+minibatches."""
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,7 +13,10 @@ from gymnasium import spaces
 from m2flow import config as C
 from m2flow.algorithms import squashed_gaussian_logprob
 from m2flow.workers.policy import make_policy, sample_actions, uniform_actions
+from m2flow.workers.sac_learner import SACLearnerWorker
 from m2flow.workloads.embodied import SquashedGaussianActor, TwinQ
+from m2flow.workloads.embodied.bc import demo_transitions
+from m2flow.workloads.embodied.experts import load_demos
 
 BOX = spaces.Box(np.array([-2.0, 0.0], np.float32), np.array([2.0, 1.0], np.float32))
 
@@ -92,3 +99,41 @@ def test_the_temperature_and_entropy_settings_parse():
     assert s.alpha_init() == (0.1, True) and s.target(6) == -3.0
     s = C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.ent_coef=0.2"]).sac
     assert s.alpha_init() == (0.2, False) and s.target(6) == -6.0
+
+
+FIXTURE = str(Path(__file__).resolve().parents[1] / "fixtures" / "demos" / "PickCube-v1")
+
+
+def test_demonstrations_become_transitions_that_end_terminated_with_the_sparse_reward_relabelled():
+    summary, arrays = load_demos(FIXTURE)
+    first = [e["length"] for e in summary["episodes"][:3]]
+    dense = demo_transitions(FIXTURE, "PickCube-v1", episodes=3)
+    sparse = demo_transitions(FIXTURE, "PickCube-v1", episodes=3, sparse=True)
+    n = sum(first)
+    assert len(dense["rewards"]) == n and dense["obs"].shape == (n, 42)
+    ends = torch.tensor(first).cumsum(0) - 1
+    assert torch.equal(torch.nonzero(dense["terminated"]).squeeze(1), ends)
+    assert torch.equal(sparse["rewards"], sparse["terminated"].float())  # 1 on each episode's last step only
+    assert torch.allclose(dense["rewards"], torch.as_tensor(arrays["rewards"][:n], dtype=torch.float32))
+    # next obs is the episode's next row, never the next episode's first
+    assert torch.equal(dense["next_obs"][:first[0] - 1], dense["obs"][1:first[0]])
+    with pytest.raises(ValueError, match="env.id is PushCube-v1"):
+        demo_transitions(FIXTURE, "PushCube-v1")
+
+
+def test_rlpd_minibatches_draw_their_demo_fraction_from_the_demonstrations():
+    cfg = C.load(C.EmbodiedConfig, {"env": {"id": "PickCube-v1"}, "algorithm": {"name": "sac"},
+                                    "policy": {"hidden": [16]},
+                                    "sac": {"buffer_size": 1000, "demos": FIXTURE, "demo_fraction": 0.25}})
+    learner = SACLearnerWorker(cfg, spaces.Box(-np.inf, np.inf, (42,), np.float32),
+                               spaces.Box(-1, 1, (4,), np.float32))
+    episodes = json.loads(Path(FIXTURE, "demos.json").read_text())["episodes"]
+    assert len(learner.demos) == sum(e["length"] for e in episodes)
+    online = {"obs": torch.full((10, 42), 7.0), "actions": torch.zeros(10, 4), "rewards": torch.zeros(10),
+              "next_obs": torch.full((10, 42), 7.0), "terminated": torch.zeros(10, dtype=torch.bool)}
+    learner.buffer.add(online)
+    batch = learner._sample(64)
+    from_online = (batch["obs"] == 7.0).all(1)
+    assert from_online.sum() == 48 and not from_online[:16].any()
+    with pytest.raises(C.ConfigError, match="demo_fraction must be in"):
+        C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.demo_fraction=1"])

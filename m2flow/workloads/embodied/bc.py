@@ -93,3 +93,35 @@ def fit(policy: ActorCritic, data: dict[str, torch.Tensor], steps: int, batch_si
         if on_step is not None:
             on_step(i + 1, metrics)
     return metrics
+
+
+def demo_transitions(demos: str, env_id: str, instruct: bool = False, episodes: int | None = None,
+                     sparse: bool = False) -> dict[str, torch.Tensor]:
+    """The successful demonstrations of `demos` (as `demo_data` reads them) as replay-buffer transitions
+    (`replay.transitions`' fields): next obs is the episode's next row; an episode's last step (the expert's
+    success, which ends a ManiSkill episode) is terminated. `sparse`: rewards relabelled as the env's sparse reward
+    gives them, 1 on that last step and 0 before (the datasets record the env's default, dense reward)."""
+    from . import maniskill
+    from .experts import load_demos
+
+    tasks = maniskill.task_ids(env_id)
+    parts = []
+    for where in demos.split(","):
+        summary, arrays = load_demos(where)
+        if summary["task"] not in tasks:
+            raise ValueError(f"{where}: demonstrations of {summary['task']}, but the config's env.id is {env_id}")
+        if instruct:
+            arrays["obs"] = maniskill.instruction_obs(maniskill.tokenize(summary["instruction"]).astype(np.float32),
+                                                      arrays["obs"])
+        info = summary["episodes"][:episodes] if episodes is not None else summary["episodes"]
+        for i in (i for i, e in enumerate(info) if e["success"]):
+            rows = np.flatnonzero(arrays["episode"] == i)
+            obs = torch.as_tensor(arrays["obs"][rows], dtype=torch.float32)
+            terminated = torch.zeros(len(rows), dtype=torch.bool)
+            terminated[-1] = True
+            rewards = terminated.float() if sparse else torch.as_tensor(arrays["rewards"][rows], dtype=torch.float32)
+            parts.append({"obs": obs, "actions": torch.as_tensor(arrays["actions"][rows], dtype=torch.float32),
+                          "rewards": rewards, "next_obs": torch.cat([obs[1:], obs[-1:]]), "terminated": terminated})
+    if not parts:
+        raise ValueError(f"{demos}: no successful demonstrations to put in the replay buffer")
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}

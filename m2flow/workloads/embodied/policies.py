@@ -258,8 +258,7 @@ class SquashedGaussianActor(nn.Module):
         self.trunk = _torch_mlp(obs_dim, tuple(hidden), ACTIVATIONS[activation])
         width = hidden[-1] if hidden else obs_dim
         self.mu, self.log_std_head = nn.Linear(width, dim), nn.Linear(width, dim)
-        low, high = (torch.as_tensor(b, dtype=torch.float32).reshape(-1) for b in (action_space.low,
-                                                                                 action_space.high))
+        low, high = (torch.tensor(np.array(b, np.float32)).reshape(-1) for b in (action_space.low, action_space.high))
         self.register_buffer("scale", (high - low) / 2, persistent=False)
         self.register_buffer("bias", (high + low) / 2, persistent=False)
 
