@@ -22,10 +22,13 @@ def preflight(cfg) -> None:
         if cfg.policy.init and not (Path(cfg.policy.init) / "policy.safetensors").is_file():
             raise C.UserError(f"policy.init: '{cfg.policy.init}' holds no policy.safetensors (expected an embodied "
                               f"checkpoint directory, or the output of `m2flow sft CONFIG OUT --demos DIR`)")
-        for demos in filter(None, cfg.actor.bc_demos.split(",")):
-            if not (Path(demos) / "demos.json").is_file():
-                raise C.UserError(f"actor.bc_demos: '{demos}' holds no demos.json (expected a demonstration dataset: "
-                                  f"`m2flow demos TASK -n N --out DIR` writes one)")
+        for field, value in (("actor.bc_demos", cfg.actor.bc_demos), ("sac.demos", cfg.sac.demos)):
+            for demos in filter(None, value.split(",")):
+                if not (Path(demos) / "demos.json").is_file():
+                    raise C.UserError(f"{field}: '{demos}' holds no demos.json (expected a demonstration dataset: "
+                                      f"`m2flow demos TASK -n N --out DIR` writes one)")
+        if cfg.algorithm.name == "sac":
+            _replay_buffer(cfg)
         return
     _model_dir(cfg.model.path)
     if cfg.data.task == "file":
@@ -134,6 +137,21 @@ def _tools(agent) -> None:
         Toolbox(agent.tools)
     except (ValueError, ImportError, AttributeError) as e:
         raise C.UserError(f"agent.tools: {e}") from None
+
+
+def _replay_buffer(cfg) -> None:
+    """SAC's replay buffer against the memory available here (one env made for its spaces)."""
+    from m2flow.workers.env import make_env_group
+    from m2flow.workloads.embodied.replay import FITS, ReplayBuffer, available_bytes
+
+    group = make_env_group(cfg, 1, cfg.run.seed)
+    obs, act = group.observation_space.shape, group.action_space.shape
+    group.close()
+    need, free = ReplayBuffer.bytes_needed(cfg.sac.buffer_size, obs, act), available_bytes()
+    if need > FITS * free:
+        raise C.UserError(f"sac.buffer_size: {cfg.sac.buffer_size:,} transitions of {cfg.env.id} need "
+                          f"{need / 2**30:.2f} GiB, more than {FITS:.0%} of the {free / 2**30:.2f} GiB available "
+                          f"here; lower it")
 
 
 def _env_id(env_id: str) -> None:

@@ -106,6 +106,11 @@ CASES = [
                                         *TINY],
      "error: actor.bc_demos: '{tmp}/none' holds no demos.json (expected a demonstration dataset: `m2flow demos TASK "
      "-n N --out DIR` writes one)"),
+    ("SAC demonstrations missing", ["train", "sac_pendulum", "sac.demos={tmp}/none", *TINY],
+     "error: sac.demos: '{tmp}/none' holds no demos.json (expected a demonstration dataset: `m2flow demos TASK -n N "
+     "--out DIR` writes one)"),
+    ("SAC replay buffer larger than memory", ["train", "sac_pendulum", "sac.buffer_size=100000000000", *TINY],
+     "error: sac.buffer_size: 100,000,000,000 transitions of Pendulum-v1 need "),
     ("demos of a task without an expert", ["demos", "PickCub-v1", "-n", "1"],
      "error: demos: no expert for task 'PickCub-v1'; tasks: PickCube-v1, PushCube-v1, StackCube-v1"),
     ("env module missing", ["train", "ppo_cartpole", "env.id=nosuchmod:Env-v0", *TINY],

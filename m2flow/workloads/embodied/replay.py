@@ -18,6 +18,7 @@ import torch
 from .envs import Trajectory
 
 FIELDS = ("obs", "actions", "rewards", "next_obs", "terminated")
+FITS = 0.8  # the largest share of the available memory a buffer may take
 
 
 def transitions(traj: Trajectory) -> dict[str, torch.Tensor]:
@@ -51,7 +52,7 @@ class ReplayBuffer:
     overwritten once it is full."""
 
     def __init__(self, capacity: int, obs_shape: tuple[int, ...], act_shape: tuple[int, ...],
-                 obs_dtype: torch.dtype = torch.float32, seed: int = 0, max_fraction: float = 0.8):
+                 obs_dtype: torch.dtype = torch.float32, seed: int = 0, max_fraction: float = FITS):
         if capacity < 1:
             raise ValueError(f"replay buffer: capacity must be >= 1, got {capacity}")
         need = self.bytes_needed(capacity, obs_shape, act_shape, obs_dtype)

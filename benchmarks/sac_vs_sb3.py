@@ -1,0 +1,138 @@
+"""m2flow SAC vs Stable-Baselines3 SAC with the same hyperparameters (configs/sac_halfcheetah.yaml given to SB3 one
+for one), interleaved: for each seed SB3, then m2flow in each plan, each run in its own process. Per run: wall time,
+env steps/s, and the mean return of 10 deterministic episodes at the end. Asserts nothing.
+
+    pip install stable-baselines3                                                  # or `make bench`
+    python benchmarks/sac_vs_sb3.py --steps 100000 --seeds 0,1,2                   # hours on 2 cores: background it
+    python benchmarks/sac_vs_sb3.py --steps 20000 --seeds 0 --plans lockstep       # a shorter look
+    python benchmarks/sac_vs_sb3.py --summarize
+
+Plans: `lockstep` (env, policy and learner in one process on device 0, `sac.max_policy_lag=0`: SB3's order),
+`pipelined` (the preset's: env and policy on device 0, the learner on device 1, `sac.max_policy_lag=1`, collection
+overlapping the updates). SB3 runs in its own process with torch's default threads (2 here), as a user runs it;
+m2flow's learner has one device (one core) in both plans. The 1-minute load average is sampled during each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PRESET = "sac_halfcheetah"
+PLANS = {"lockstep": ["cluster.placement=env,rollout,actor: 0", "sac.max_policy_lag=0"],
+         "pipelined": ["cluster.placement=env,rollout: 0; actor: 1", "sac.max_policy_lag=1"]}
+
+
+def sb3_run(steps: int, seed: int, out: Path) -> dict:
+    """SB3's SAC on the preset's hyperparameters; in this process (called through `--one sb3`)."""
+    import gymnasium as gym
+    from stable_baselines3 import SAC
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.evaluation import evaluate_policy
+    from torch import nn
+
+    from m2flow import config as C
+
+    cfg = C.load(C.EmbodiedConfig, PRESET)
+    s, p = cfg.sac, cfg.policy
+    env = make_vec_env(cfg.env.id, n_envs=cfg.env.num_envs, seed=seed)
+    model = SAC("MlpPolicy", env, learning_rate=cfg.actor.lr, buffer_size=s.buffer_size,
+                learning_starts=s.learning_starts, batch_size=s.batch_size, tau=s.tau, gamma=cfg.algorithm.gamma,
+                train_freq=s.train_freq, gradient_steps=s.gradient_steps, ent_coef=s.ent_coef,
+                target_entropy=s.target_entropy, target_update_interval=s.target_update_interval, seed=seed,
+                policy_kwargs=dict(net_arch=list(p.hidden), activation_fn={"relu": nn.ReLU, "tanh": nn.Tanh}[
+                    p.activation]), device="cpu")
+    start = time.perf_counter()
+    model.learn(total_timesteps=steps)
+    wall = time.perf_counter() - start
+    mean, std = evaluate_policy(model, gym.make(cfg.env.id), n_eval_episodes=10, deterministic=True)
+    return {"runner": "sb3", "seed": seed, "env_steps": int(model.num_timesteps), "wall_s": wall,
+            "env_steps_per_s": model.num_timesteps / wall, "return_mean": float(mean), "return_std": float(std)}
+
+
+def m2flow_run(steps: int, seed: int, plan: str, out: Path) -> dict:
+    """The preset through the `m2flow` command in `plan`: run.steps from the env steps asked."""
+    from m2flow import config as C
+
+    cfg = C.load(C.EmbodiedConfig, PRESET)
+    per_iteration = cfg.env.num_envs * cfg.sac.train_freq
+    name = f"m2flow_{plan}_{seed}"
+    cmd = [str(Path(sys.executable).with_name("m2flow")), "train", PRESET, f"run.steps={-(-steps // per_iteration)}",
+           f"run.seed={seed}", f"run.dir={out}", f"run.name={name}", "run.overwrite=true", "run.save_every=0",
+           "run.progress=false", "run.trace=false", *PLANS[plan]]
+    print("$", shlex.join(cmd), flush=True)
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start  # Ray's start and the final evaluation included
+    rows = [json.loads(line) for line in open(out / name / "metrics.jsonl")]
+    evaluation = json.loads((out / name / "eval.json").read_text())
+    training = sum(r["time/iteration"] for r in rows)
+    return {"runner": f"m2flow {plan}", "seed": seed, "env_steps": rows[-1]["env_steps"], "wall_s": wall,
+            "train_s": training, "env_steps_per_s": rows[-1]["env_steps"] / training,
+            "return_mean": evaluation["return_mean"], "return_std": evaluation["return_std"]}
+
+
+def one(args) -> None:
+    """Run one runner in this process and write its JSON (the parent times nothing of it but the load)."""
+    out = Path(args.out)
+    result = (sb3_run(args.steps, args.seed, out) if args.one == "sb3"
+              else m2flow_run(args.steps, args.seed, args.one, out))
+    (out / f"{args.one}_{args.seed}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| runner | seeds | env steps | wall s (median) | env steps/s (median) | return (median of seeds) | load |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for runner in dict.fromkeys(r["runner"] for r in results):
+        rs = [r for r in results if r["runner"] == runner]
+        lines.append(f"| {runner} | {len(rs)} | {rs[0]['env_steps']:,} | "
+                     f"{statistics.median(r['wall_s'] for r in rs):.0f} | "
+                     f"{statistics.median(r['env_steps_per_s'] for r in rs):.0f} | "
+                     f"{statistics.median(r['return_mean'] for r in rs):.0f} | "
+                     f"{', '.join(r.get('load', '?') for r in rs)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=100_000, help="env steps per run")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--plans", default="lockstep,pipelined", help=f"m2flow plans: {', '.join(PLANS)}")
+    p.add_argument("--out", default="runs/bench/sac_vs_sb3")
+    p.add_argument("--summarize", action="store_true", help="print the table of the results under --out")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        return one(args)
+    if not args.summarize:
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for runner in ["sb3", *args.plans.split(",")]:
+                loads, start = [], time.time()
+                proc = subprocess.Popen([sys.executable, __file__, "--one", runner, "--seed", str(seed),
+                                         "--steps", str(args.steps), "--out", str(out)])
+                while proc.poll() is None:
+                    loads.append(os.getloadavg()[0])
+                    time.sleep(min(10.0, 1.0 + (time.time() - start) / 10))
+                if proc.returncode:
+                    sys.exit(f"{runner} seed {seed} exited {proc.returncode}")
+                path = out / f"{runner}_{seed}.json"
+                result = json.loads(path.read_text())
+                result["load"] = f"{min(loads or [0]):.1f}-{max(loads or [0]):.1f}"
+                path.write_text(json.dumps(result, indent=1) + "\n")
+                print(json.dumps(result), flush=True)
+    results = [json.loads(f.read_text()) for f in sorted(out.glob("*_*.json"))]
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
