@@ -4,13 +4,16 @@ env steps/s, and the mean return of 10 deterministic episodes at the end. Assert
 
     pip install stable-baselines3                                                  # or `make bench`
     python benchmarks/sac_vs_sb3.py --steps 100000 --seeds 0,1,2                   # hours on 2 cores: background it
-    python benchmarks/sac_vs_sb3.py --steps 20000 --seeds 0 --plans lockstep       # a shorter look
+    python benchmarks/sac_vs_sb3.py --steps 10000 --seeds 0 --set sac.learning_starts=1000   # a short look
+    python benchmarks/sac_vs_sb3.py --update-only                                  # per gradient step, 1 and 2 threads
     python benchmarks/sac_vs_sb3.py --summarize
 
-Plans: `lockstep` (env, policy and learner in one process on device 0, `sac.max_policy_lag=0`: SB3's order),
+Plans: `lockstep` (env, policy and learner in one process on device 0, `sac.max_policy_lag=0`: SB3's order, one
+core), `wide` (the learner one process over both devices' cores, 2 threads; env and policy on device 0; lag 0),
 `pipelined` (the preset's: env and policy on device 0, the learner on device 1, `sac.max_policy_lag=1`, collection
-overlapping the updates). SB3 runs in its own process with torch's default threads (2 here), as a user runs it;
-m2flow's learner has one device (one core) in both plans. The 1-minute load average is sampled during each run.
+overlapping the updates). SB3 runs in its own process with torch's default threads (2 here), as a user runs it.
+`--set` overrides the preset for both libraries (e.g. `sac.learning_starts=1000` for a short run). The 1-minute
+load average is sampled during each run.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import time
 from pathlib import Path
 
 PRESET = "sac_halfcheetah"
+SETTINGS: list[str] = []  # --set: overrides of the preset, for both libraries
 PLANS = {"lockstep": ["cluster.placement=env,rollout,actor: 0", "sac.max_policy_lag=0"],
+         "wide": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=0"],
          "pipelined": ["cluster.placement=env,rollout: 0; actor: 1", "sac.max_policy_lag=1"]}
 
 
@@ -40,7 +45,7 @@ def sb3_run(steps: int, seed: int, out: Path) -> dict:
 
     from m2flow import config as C
 
-    cfg = C.load(C.EmbodiedConfig, PRESET)
+    cfg = C.load(C.EmbodiedConfig, PRESET, SETTINGS)
     s, p = cfg.sac, cfg.policy
     env = make_vec_env(cfg.env.id, n_envs=cfg.env.num_envs, seed=seed)
     model = SAC("MlpPolicy", env, learning_rate=cfg.actor.lr, buffer_size=s.buffer_size,
@@ -61,12 +66,12 @@ def m2flow_run(steps: int, seed: int, plan: str, out: Path) -> dict:
     """The preset through the `m2flow` command in `plan`: run.steps from the env steps asked."""
     from m2flow import config as C
 
-    cfg = C.load(C.EmbodiedConfig, PRESET)
+    cfg = C.load(C.EmbodiedConfig, PRESET, SETTINGS)
     per_iteration = cfg.env.num_envs * cfg.sac.train_freq
     name = f"m2flow_{plan}_{seed}"
     cmd = [str(Path(sys.executable).with_name("m2flow")), "train", PRESET, f"run.steps={-(-steps // per_iteration)}",
            f"run.seed={seed}", f"run.dir={out}", f"run.name={name}", "run.overwrite=true", "run.save_every=0",
-           "run.progress=false", "run.trace=false", *PLANS[plan]]
+           "run.progress=false", "run.trace=false", *SETTINGS, *PLANS[plan]]
     print("$", shlex.join(cmd), flush=True)
     start = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -77,6 +82,48 @@ def m2flow_run(steps: int, seed: int, plan: str, out: Path) -> dict:
     return {"runner": f"m2flow {plan}", "seed": seed, "env_steps": rows[-1]["env_steps"], "wall_s": wall,
             "train_s": training, "env_steps_per_s": rows[-1]["env_steps"] / training,
             "return_mean": evaluation["return_mean"], "return_std": evaluation["return_std"]}
+
+
+def update_only(threads: int, rounds: int = 5, n: int = 64) -> str:
+    """Per gradient step on the same kind of data (20k random transitions in each library's buffer): m2flow's
+    `SACLearnerWorker._update` against SB3's `SAC.train`, interleaved, `rounds` rounds of `n` steps, medians."""
+    import gymnasium as gym
+    import numpy as np
+    import torch
+    from stable_baselines3 import SAC
+    from stable_baselines3.common.logger import configure
+    from torch import nn
+
+    from m2flow import config as C
+    from m2flow.workers.sac_learner import SACLearnerWorker
+
+    torch.set_num_threads(threads)
+    cfg = C.load(C.EmbodiedConfig, PRESET, ["sac.buffer_size=100000", *SETTINGS])
+    env = gym.make(cfg.env.id)
+    ours = SACLearnerWorker(cfg, env.observation_space, env.action_space)
+    obs, act, size = env.observation_space.shape, env.action_space.shape, 20_000
+    ours.buffer.add({"obs": torch.randn(size, *obs), "actions": torch.rand(size, *act) * 2 - 1,
+                     "rewards": torch.randn(size), "next_obs": torch.randn(size, *obs),
+                     "terminated": torch.zeros(size, dtype=torch.bool)})
+    sb3 = SAC("MlpPolicy", env, buffer_size=100_000, learning_starts=0, batch_size=cfg.sac.batch_size,
+              learning_rate=cfg.actor.lr, policy_kwargs=dict(net_arch=list(cfg.policy.hidden), activation_fn=nn.ReLU),
+              device="cpu")
+    sb3.set_logger(configure(None, [""]))
+    for _ in range(size):
+        sb3.replay_buffer.add(np.random.randn(1, *obs), np.random.randn(1, *obs), np.random.rand(1, *act) * 2 - 1,
+                              np.random.randn(1), np.zeros(1), [{}])
+    times: dict[str, list[float]] = {"m2flow": [], "sb3": []}
+    runs = {"m2flow": lambda: [ours._update() for _ in range(n)],
+            "sb3": lambda: sb3.train(gradient_steps=n, batch_size=cfg.sac.batch_size)}
+    for r in range(rounds + 1):  # the first round warms up
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            if r:
+                times[name].append((time.perf_counter() - start) / n * 1000)
+    a, b = statistics.median(times["m2flow"]), statistics.median(times["sb3"])
+    return (f"{threads} thread(s), load {os.getloadavg()[0]:.2f}: m2flow {a:.2f} ms per gradient step, SB3 {b:.2f} "
+            f"ms, SB3 / m2flow {b / a:.2f}")
 
 
 def one(args) -> None:
@@ -104,22 +151,29 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100_000, help="env steps per run")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--plans", default="lockstep,pipelined", help=f"m2flow plans: {', '.join(PLANS)}")
+    p.add_argument("--plans", default="lockstep,wide,pipelined", help=f"m2flow plans: {', '.join(PLANS)}")
     p.add_argument("--out", default="runs/bench/sac_vs_sb3")
+    p.add_argument("--set", default="", help="overrides of the preset for both libraries, space-separated")
     p.add_argument("--summarize", action="store_true", help="print the table of the results under --out")
+    p.add_argument("--update-only", action="store_true", help="per gradient step, m2flow against SB3, interleaved")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    SETTINGS.extend(shlex.split(args.set))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.one:
         return one(args)
+    if args.update_only:
+        for threads in (1, 2):
+            print(update_only(threads), flush=True)
+        return
     if not args.summarize:
         for seed in (int(s) for s in args.seeds.split(",")):
             for runner in ["sb3", *args.plans.split(",")]:
                 loads, start = [], time.time()
                 proc = subprocess.Popen([sys.executable, __file__, "--one", runner, "--seed", str(seed),
-                                         "--steps", str(args.steps), "--out", str(out)])
+                                         "--steps", str(args.steps), "--out", str(out), "--set", args.set])
                 while proc.poll() is None:
                     loads.append(os.getloadavg()[0])
                     time.sleep(min(10.0, 1.0 + (time.time() - start) / 10))

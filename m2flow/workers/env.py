@@ -180,16 +180,28 @@ class EnvWorker(Worker):
         return self.group.state_dict()
 
     def save_state(self, directory: str) -> None:
-        """Normalizer statistics to directory/env_<rank>.safetensors (nothing if the envs do not normalize)."""
+        """Normalizer statistics to directory/env_<rank>.safetensors (nothing if the envs do not normalize), and
+        where the envs can be captured (`EnvGroup.snapshot`) the envs mid-episode with the obs each stage holds, to
+        env_<rank>.pkl: a resume then continues every episode where it was, as an uninterrupted run does."""
         from safetensors.torch import save_file
 
         state = self.group.state_dict()
         if state:
             save_file(state, str(Path(directory) / f"env_{self.rank}.safetensors"))
+        blob = self.group.snapshot() if self.obs is not None else None
+        if blob is not None:
+            torch.save({"group": blob, "obs": self.obs}, Path(directory) / f"env_{self.rank}.pkl")
 
     def load_state(self, directory: str) -> None:
+        """The normalizers, and the envs mid-episode where the checkpoint captured them (else every env starts a
+        new episode at the next rollout)."""
         from safetensors.torch import load_file
 
+        snap = Path(directory) / f"env_{self.rank}.pkl"
+        if snap.exists():  # written by this run's own workers: a pickle, as the optimizer's state is
+            state = torch.load(snap, weights_only=False)
+            self.group.restore(state["group"])
+            self.obs = state["obs"]
         path = Path(directory) / f"env_{self.rank}.safetensors"
         if self.group.state_dict():
             if not path.exists():

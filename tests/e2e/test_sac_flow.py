@@ -63,3 +63,23 @@ def test_max_policy_lag_1_updates_before_it_takes_the_iterations_steps(cluster, 
     assert [r["sac/updates"] for r in lag1] == [0, 64, 64, 64]
     assert all(r["sac/critic_loss"] == r["sac/critic_loss"] for r in lag1[1:])
     assert lag0[1]["sac/critic_loss"] != lag1[1]["sac/critic_loss"]
+
+
+def test_a_resumed_sac_run_equals_an_uninterrupted_one(cluster, tmp_path):
+    """The checkpoint holds the replay buffer, every generator, the optimizers and (Pendulum pickles) the envs
+    mid-episode: 3 iterations, a stop, 3 more give the weights and losses of 6 in one go, bit for bit."""
+    common = ["policy.hidden=[32,32]", "sac.learning_starts=64", "eval.episodes=0", "run.save_every=3",
+              "env.num_envs=4"]
+    whole = train(cfg_for(tmp_path, "whole", "run.steps=6", *common), cluster)
+    train(cfg_for(tmp_path, "parts", "run.steps=3", *common), cluster)
+    ckpt = tmp_path / "parts" / "checkpoints" / "step_3"
+    assert (ckpt / "replay.safetensors").exists() and (ckpt / "env_0.pkl").exists()
+    parts = train(cfg_for(tmp_path, "parts", "run.steps=6", "run.resume=true", *common), cluster)
+    assert parts["iterations"] == 3
+    a, b = rows(whole), rows(parts)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    for key in ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/q_mean", "env_steps"):
+        assert [r.get(key) for r in a] == [r.get(key) for r in b], key
+    for name in ("policy", "sac_critic"):
+        wa, wb = (load_file(f"{r['checkpoint']}/{name}.safetensors") for r in (whole, parts))
+        assert all(torch.equal(wa[k], wb[k]) for k in wa), name

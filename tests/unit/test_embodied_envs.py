@@ -365,3 +365,24 @@ def test_normalizer_state_round_trips(tmp_path):
         assert torch.equal(other.state_dict()["obs.mean"], state["obs.mean"])  # training=False: frozen
     with pytest.raises(KeyError, match="expected"):
         other.load_state_dict({"obs.mean": state["obs.mean"]})
+
+
+def test_a_snapshot_continues_episodes_where_they_were_and_views_see_the_restore():
+    group = EnvGroup.make("Pendulum-v1", 4, seed=5)
+    stages = group.split(2)
+    group.reset()
+    rng = np.random.default_rng(0)
+    acts = [rng.uniform(-2, 2, (4, 1)).astype(np.float32) for _ in range(8)]
+    for a in acts[:3]:
+        group.step(a)
+    blob = group.snapshot()
+    assert blob is not None
+    ahead = [group.step(a) for a in acts[3:]]
+    group.restore(blob)  # back to step 3: the same actions give the same steps, in the stage views too
+    again = [np.concatenate([st.step(a[st.env_indices]).obs for st in stages]) for a in acts[3:]]
+    assert all(np.array_equal(x.obs, y) for x, y in zip(ahead, again))
+    other = EnvGroup.make("Pendulum-v1", 2, seed=5)
+    with pytest.raises(ValueError, match="holds 4 envs of Pendulum-v1, this group 2"):
+        other.restore(blob)
+    # MuJoCo envs pickle by rebuilding themselves (gymnasium's EzPickle), keeping no state: no snapshot
+    assert EnvGroup.make("HalfCheetah-v5", 1, seed=0).snapshot() is None

@@ -444,6 +444,35 @@ class EnvGroup:
                 norm.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(prefix + ".")})
         self._s.pending.clear()
 
+    def snapshot(self) -> bytes | None:
+        """The whole group's state as a pickle: every env mid-episode (its simulator and RNG), the episode
+        bookkeeping, the normalizers. `restore` continues from it as if never stopped. None where an env cannot be
+        captured so: it does not pickle (a simulator behind native handles, as ManiSkill's), or it pickles by
+        rebuilding itself from its constructor's arguments (gymnasium's EzPickle, as its MuJoCo envs do), which
+        keeps no state."""
+        import pickle
+
+        if any(isinstance(env.unwrapped, gym.utils.EzPickle) for env in self._s.envs):
+            return None
+        try:
+            return pickle.dumps(self._s)
+        except Exception:  # noqa: BLE001 (any env's own reason not to pickle)
+            return None
+
+    def restore(self, blob: bytes) -> None:
+        """Continue from a `snapshot` of a group of the same envs: this group's envs are closed and replaced, in
+        place, so that the stage views `split` made of it see the restored state too."""
+        import pickle
+
+        state = pickle.loads(blob)
+        if len(state.envs) != len(self._s.envs) or state.env_id != self._s.env_id:
+            raise ValueError(f"{self.env_id}: the snapshot holds {len(state.envs)} envs of {state.env_id}, this group "
+                             f"{len(self._s.envs)} of {self._s.env_id}")
+        for env in self._s.envs:
+            env.close()
+        self._s.__dict__.clear()
+        self._s.__dict__.update(state.__dict__)
+
     def close(self) -> None:
         for env in self.envs:
             env.close()
