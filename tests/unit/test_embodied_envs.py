@@ -384,5 +384,21 @@ def test_a_snapshot_continues_episodes_where_they_were_and_views_see_the_restore
     other = EnvGroup.make("Pendulum-v1", 2, seed=5)
     with pytest.raises(ValueError, match="holds 4 envs of Pendulum-v1, this group 2"):
         other.restore(blob)
-    # MuJoCo envs pickle by rebuilding themselves (gymnasium's EzPickle), keeping no state: no snapshot
-    assert EnvGroup.make("HalfCheetah-v5", 1, seed=0).snapshot() is None
+
+
+def test_a_mujoco_snapshot_carries_the_simulator_state_that_pickling_loses():
+    """gymnasium's MuJoCo envs pickle by rebuilding themselves (EzPickle): the snapshot adds MuJoCo's integration
+    state and the env's RNG, so the restored envs step as the originals, resets included."""
+    group = EnvGroup.make("HalfCheetah-v5", 2, seed=3, env_kwargs={"max_episode_steps": 5})
+    group.reset()
+    rng = np.random.default_rng(0)
+    acts = [rng.uniform(-1, 1, (2, 6)).astype(np.float32) for _ in range(8)]  # past a time limit: a reset too
+    for a in acts[:3]:
+        group.step(a)
+    blob = group.snapshot()
+    ahead = [group.step(a) for a in acts[3:]]
+    group.restore(blob)
+    again = [group.step(a) for a in acts[3:]]
+    assert any(r.truncated.any() for r in ahead)
+    for x, y in zip(ahead, again):
+        assert np.array_equal(x.obs, y.obs) and np.array_equal(x.reward, y.reward)

@@ -247,6 +247,29 @@ class _Shared:
                 self.reward_scaler.update(p.returns[~np.isnan(p.returns)])
 
 
+def _mujoco_state(env) -> dict | None:
+    """A gymnasium MuJoCo env's state that pickling loses: MuJoCo's full integration state (positions, velocities,
+    activations, warm start: the next step is bit for bit the same) and the env's RNG. None for other envs."""
+    if not type(env).__module__.startswith("gymnasium.envs.mujoco"):
+        return None
+    import mujoco
+
+    kind = mujoco.mjtState.mjSTATE_INTEGRATION
+    state = np.empty(mujoco.mj_stateSize(env.model, kind))
+    mujoco.mj_getState(env.model, env.data, state, kind)
+    return {"mujoco": state, "rng": env.np_random.bit_generator.state}
+
+
+def _set_mujoco_state(env, extra: dict) -> None:
+    import mujoco
+
+    mujoco.mj_setState(env.model, env.data, extra["mujoco"], mujoco.mjtState.mjSTATE_INTEGRATION)
+    mujoco.mj_forward(env.model, env.data)
+    rng = np.random.Generator(np.random.PCG64())
+    rng.bit_generator.state = extra["rng"]
+    env.np_random = rng
+
+
 class EnvGroup:
     """N gymnasium envs stepped together (SAME_STEP autoreset), with the bookkeeping an RL learner needs.
 
@@ -446,16 +469,23 @@ class EnvGroup:
 
     def snapshot(self) -> bytes | None:
         """The whole group's state as a pickle: every env mid-episode (its simulator and RNG), the episode
-        bookkeeping, the normalizers. `restore` continues from it as if never stopped. None where an env cannot be
-        captured so: it does not pickle (a simulator behind native handles, as ManiSkill's), or it pickles by
-        rebuilding itself from its constructor's arguments (gymnasium's EzPickle, as its MuJoCo envs do), which
-        keeps no state."""
+        bookkeeping, the normalizers. `restore` continues from it as if never stopped. gymnasium's MuJoCo envs pickle
+        by rebuilding themselves from their constructor's arguments (EzPickle), keeping no state, so their simulator
+        state (MuJoCo's integration state) and RNG go beside them. None where an env cannot be captured: it does
+        not pickle (a simulator behind native handles, as ManiSkill's), or it is another EzPickle env (Meta-World's
+        keep task state outside the simulator)."""
         import pickle
 
-        if any(isinstance(env.unwrapped, gym.utils.EzPickle) for env in self._s.envs):
-            return None
+        extras = []
+        for env in self._s.envs:
+            if isinstance(env.unwrapped, gym.utils.EzPickle):
+                extras.append(_mujoco_state(env.unwrapped))
+                if extras[-1] is None:
+                    return None
+            else:
+                extras.append(None)
         try:
-            return pickle.dumps(self._s)
+            return pickle.dumps((self._s, extras))
         except Exception:  # noqa: BLE001 (any env's own reason not to pickle)
             return None
 
@@ -464,10 +494,13 @@ class EnvGroup:
         place, so that the stage views `split` made of it see the restored state too."""
         import pickle
 
-        state = pickle.loads(blob)
+        state, extras = pickle.loads(blob)
         if len(state.envs) != len(self._s.envs) or state.env_id != self._s.env_id:
             raise ValueError(f"{self.env_id}: the snapshot holds {len(state.envs)} envs of {state.env_id}, this group "
                              f"{len(self._s.envs)} of {self._s.env_id}")
+        for env, extra in zip(state.envs, extras):
+            if extra is not None:
+                _set_mujoco_state(env.unwrapped, extra)
         for env in self._s.envs:
             env.close()
         self._s.__dict__.clear()
