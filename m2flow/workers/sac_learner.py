@@ -26,6 +26,7 @@ from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.weights import publish
 from m2flow.workers.embodied_actor import load_policy
+from m2flow.workers.guards import nonfinite_update
 from m2flow.workers.policy import make_policy
 from m2flow.workers.sync import PublishesWeights
 from m2flow.workloads.embodied import Trajectory, TwinQ
@@ -100,25 +101,32 @@ class SACLearnerWorker(PublishesWeights, Worker):
         if self.env_steps < max(self.cfg.sac.learning_starts, 1) or not n:
             return {"sac/updates": 0}
         with self.device_phase("train", step):
-            stats = torch.stack([self._update() for _ in range(n)]).mean(0).tolist()
-        return {**dict(zip(STATS, stats)), "sac/updates": n}
+            done = [x for x in (self._update() for _ in range(n)) if x is not None]
+        stats = torch.stack(done).mean(0).tolist() if done else [float("nan")] * len(STATS)
+        return {**dict(zip(STATS, stats)), "sac/updates": len(done), "actor/nonfinite_skipped": n - len(done)}
 
-    def _update(self) -> torch.Tensor:
+    def _update(self) -> torch.Tensor | None:
+        """One gradient step (temperature, critics, actor, targets, in SB3's order) -> its stats; None when it was
+        dropped for a non-finite loss (actor.nonfinite=skip)."""
         s, gamma = self.cfg.sac, self.cfg.algorithm.gamma
         b = self._sample(s.batch_size)
         eps = torch.randn((2, s.batch_size, *self.policy.mu.bias.shape), generator=self.gen)
         pi, logp = self.policy.sample(b["obs"], eps[0])
         alpha = self.log_alpha.detach().exp()  # this step's temperature, before its own update (as SB3)
-        if self.tuned:
-            self.alpha_opt.zero_grad()
-            temperature_loss(self.log_alpha, logp, self.target_entropy).backward()
-            self.alpha_opt.step()
         with torch.no_grad():
             next_pi, next_logp = self.policy.sample(b["next_obs"], eps[1])
             y = soft_td_target(b["rewards"], b["terminated"], *self.target(b["next_obs"], next_pi), next_logp, alpha,
                                gamma)
         q1, q2 = self.critic(b["obs"], b["actions"])
         c_loss = critic_loss(q1, q2, y)
+        if not bool(torch.isfinite(c_loss)):  # before anything is stepped: stop, or drop this gradient step
+            culprit = "the critics' loss (a non-finite reward or observation in the buffer, or diverged critics)"
+            nonfinite_update(float(c_loss.detach()), culprit, self.cfg.actor.nonfinite)
+            return None
+        if self.tuned:
+            self.alpha_opt.zero_grad()
+            temperature_loss(self.log_alpha, logp, self.target_entropy).backward()
+            self.alpha_opt.step()
         self.critic_opt.zero_grad()
         c_loss.backward()
         self.critic_opt.step()

@@ -137,3 +137,24 @@ def test_rlpd_minibatches_draw_their_demo_fraction_from_the_demonstrations():
     assert from_online.sum() == 48 and not from_online[:16].any()
     with pytest.raises(C.ConfigError, match="demo_fraction must be in"):
         C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.demo_fraction=1"])
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_a_non_finite_critic_loss_stops_or_is_dropped_before_anything_steps(mode):
+    cfg = C.load(C.EmbodiedConfig, "sac_pendulum", ["policy.hidden=[8]", "sac.buffer_size=100", "sac.batch_size=4",
+                                                    f"actor.nonfinite={mode}"])
+    learner = SACLearnerWorker(cfg, spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-2, 2, (1,), np.float32))
+    learner.buffer.add({"obs": torch.zeros(8, 3), "actions": torch.zeros(8, 1), "rewards": torch.full((8,), np.nan),
+                        "next_obs": torch.zeros(8, 3), "terminated": torch.zeros(8, dtype=torch.bool)})
+    learner.env_steps = 1000  # past learning_starts
+    nets = [learner.policy, learner.critic, learner.target]
+    before = [{k: v.clone() for k, v in n.state_dict().items()} for n in nets]
+    alpha = learner.log_alpha.item()
+    if mode == "stop":
+        with pytest.raises(FloatingPointError, match="the critics' loss"):
+            learner._updates(0, 5)
+    else:
+        out = learner._updates(0, 5)
+        assert out["actor/nonfinite_skipped"] == 5 and out["sac/updates"] == 0
+    assert learner.log_alpha.item() == alpha  # the temperature, the critics, the actor, the targets: untouched
+    assert all(torch.equal(v, n.state_dict()[k]) for n, b in zip(nets, before) for k, v in b.items())
