@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from m2flow import config as C
+from m2flow.cli import main
 from m2flow.flows.embodied import evaluate_checkpoint, train
 
 
@@ -21,7 +22,7 @@ def rows(result):
     return [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
 
 
-def test_sac_learns_pendulum(cluster, tmp_path):
+def test_sac_learns_pendulum(cluster, tmp_path, capsys):
     """The preset's recipe on smaller networks (64x64: a fifth of the update time on CPU), 6,400 env steps."""
     result = train(cfg_for(tmp_path, "learn", "policy.hidden=[64,64]", "run.steps=100", "eval.episodes=10"), cluster)
     history = rows(result)
@@ -36,6 +37,13 @@ def test_sac_learns_pendulum(cluster, tmp_path):
     # the checkpoint's actor evaluates on its own, deterministically
     again = evaluate_checkpoint(ckpt, episodes=10)
     assert again["return_mean"] == pytest.approx(result["eval"]["return_mean"])
+    capsys.readouterr()
+    threads = torch.get_num_threads()
+    try:
+        assert main(["eval", str(tmp_path / "learn"), "--episodes", "10"]) == 0  # `m2flow eval` on the run directory
+    finally:
+        torch.set_num_threads(threads)  # main() sets the driver's to 1
+    assert f"return_mean: {again['return_mean']:.4f}" in capsys.readouterr().out
 
 
 def test_lockstep_and_pipelined_plans_give_identical_sac_runs_at_lag_0(cluster, tmp_path):
