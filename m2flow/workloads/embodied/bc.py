@@ -47,16 +47,14 @@ def bc_dataset(arrays: dict[str, np.ndarray], summary: dict, chunk: int = 1, gam
             "episodes": torch.tensor(len(keep))}
 
 
-def demo_data(demos: str, env_id: str, instruct: bool = False, chunk: int = 1, gamma: float = 0.99,
-              episodes: int | None = None) -> dict[str, torch.Tensor]:
-    """`bc_dataset` of the demonstration directories `demos` (`m2flow demos`; comma-separated, one per task of a
-    multi-task `env_id`), concatenated, their observations as the policy sees them (`instruct`: the instruction's
-    words, then the state padded)."""
+def _datasets(demos: str, env_id: str, instruct: bool):
+    """(summary, arrays) of each demonstration directory in `demos` (comma-separated), checked against the config's
+    `env_id`, the observations as the policy sees them (`instruct`: the instruction's words, then the state
+    padded)."""
     from . import maniskill
     from .experts import load_demos
 
     tasks = maniskill.task_ids(env_id)
-    parts = []
     for where in demos.split(","):
         summary, arrays = load_demos(where)
         if summary["task"] not in tasks:
@@ -64,7 +62,16 @@ def demo_data(demos: str, env_id: str, instruct: bool = False, chunk: int = 1, g
         if instruct:
             arrays["obs"] = maniskill.instruction_obs(maniskill.tokenize(summary["instruction"]).astype(np.float32),
                                                       arrays["obs"])
-        parts.append(bc_dataset(arrays, summary, chunk=chunk, gamma=gamma, episodes=episodes))
+        yield summary, arrays
+
+
+def demo_data(demos: str, env_id: str, instruct: bool = False, chunk: int = 1, gamma: float = 0.99,
+              episodes: int | None = None) -> dict[str, torch.Tensor]:
+    """`bc_dataset` of the demonstration directories `demos` (`m2flow demos`; comma-separated, one per task of a
+    multi-task `env_id`), concatenated, their observations as the policy sees them (`instruct`: the instruction's
+    words, then the state padded)."""
+    parts = [bc_dataset(arrays, summary, chunk=chunk, gamma=gamma, episodes=episodes)
+             for summary, arrays in _datasets(demos, env_id, instruct)]
     return {k: torch.cat([p[k] for p in parts]) if k != "episodes" else sum(p[k] for p in parts) for k in parts[0]}
 
 
@@ -101,18 +108,8 @@ def demo_transitions(demos: str, env_id: str, instruct: bool = False, episodes: 
     (`replay.transitions`' fields): next obs is the episode's next row; an episode's last step (the expert's
     success, which ends a ManiSkill episode) is terminated. `sparse`: rewards relabelled as the env's sparse reward
     gives them, 1 on that last step and 0 before (the datasets record the env's default, dense reward)."""
-    from . import maniskill
-    from .experts import load_demos
-
-    tasks = maniskill.task_ids(env_id)
     parts = []
-    for where in demos.split(","):
-        summary, arrays = load_demos(where)
-        if summary["task"] not in tasks:
-            raise ValueError(f"{where}: demonstrations of {summary['task']}, but the config's env.id is {env_id}")
-        if instruct:
-            arrays["obs"] = maniskill.instruction_obs(maniskill.tokenize(summary["instruction"]).astype(np.float32),
-                                                      arrays["obs"])
+    for summary, arrays in _datasets(demos, env_id, instruct):
         info = summary["episodes"][:episodes] if episodes is not None else summary["episodes"]
         for i in (i for i, e in enumerate(info) if e["success"]):
             rows = np.flatnonzero(arrays["episode"] == i)

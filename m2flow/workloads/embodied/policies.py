@@ -132,10 +132,12 @@ class ActorCritic(nn.Module):
         return self.critic_head.weight.device
 
 
-def _mlp(in_dim: int, hidden: tuple[int, ...], activation: type[nn.Module]) -> nn.Sequential:
+def _mlp(in_dim: int, hidden: tuple[int, ...], activation: type[nn.Module], ortho: bool = True) -> nn.Sequential:
+    """Linear + activation layers: orthogonal init (gain sqrt 2), or torch's default (`ortho=False`: SB3's
+    off-policy networks)."""
     layers, d = [], in_dim
     for h in hidden:
-        layers += [_linear(d, h, gain=math.sqrt(2)), activation()]
+        layers += [_linear(d, h, gain=math.sqrt(2)) if ortho else nn.Linear(d, h), activation()]
         d = h
     return nn.Sequential(*layers)
 
@@ -255,7 +257,7 @@ class SquashedGaussianActor(nn.Module):
         self.action_space, self.obs_dim, self.chunk = action_space, obs_dim, 1
         self.act_shape = tuple(action_space.shape)
         dim = math.prod(self.act_shape)
-        self.trunk = _torch_mlp(obs_dim, tuple(hidden), ACTIVATIONS[activation])
+        self.trunk = _mlp(obs_dim, tuple(hidden), ACTIVATIONS[activation], ortho=False)
         width = hidden[-1] if hidden else obs_dim
         self.mu, self.log_std_head = nn.Linear(width, dim), nn.Linear(width, dim)
         low, high = (torch.tensor(np.array(b, np.float32)).reshape(-1) for b in (action_space.low, action_space.high))
@@ -304,18 +306,9 @@ class TwinQ(nn.Module):
         super().__init__()
         act = ACTIVATIONS[activation]
         width = hidden[-1] if hidden else obs_dim + act_dim
-        self.q1 = nn.Sequential(_torch_mlp(obs_dim + act_dim, tuple(hidden), act), nn.Linear(width, 1))
-        self.q2 = nn.Sequential(_torch_mlp(obs_dim + act_dim, tuple(hidden), act), nn.Linear(width, 1))
+        self.q1 = nn.Sequential(_mlp(obs_dim + act_dim, tuple(hidden), act, ortho=False), nn.Linear(width, 1))
+        self.q2 = nn.Sequential(_mlp(obs_dim + act_dim, tuple(hidden), act, ortho=False), nn.Linear(width, 1))
 
     def forward(self, obs: torch.Tensor, unit_actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.cat([obs.float().flatten(1), unit_actions], dim=1)
         return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
-
-
-def _torch_mlp(in_dim: int, hidden: tuple[int, ...], activation: type[nn.Module]) -> nn.Sequential:
-    """Linear + activation layers with torch's default init (SB3's off-policy networks)."""
-    layers, d = [], in_dim
-    for h in hidden:
-        layers += [nn.Linear(d, h), activation()]
-        d = h
-    return nn.Sequential(*layers)
