@@ -11,7 +11,8 @@ env steps/s, and the mean return of 10 deterministic episodes at the end. Assert
 Plans: `lockstep` (env, policy and learner in one process on device 0, `sac.max_policy_lag=0`: SB3's order, one
 core), `wide` (the learner one process over both devices' cores, 2 threads; env and policy on device 0; lag 0),
 `pipelined` (the preset's: env and policy on device 0, the learner on device 1, `sac.max_policy_lag=1`, collection
-overlapping the updates). SB3 runs in its own process with torch's default threads (2 here), as a user runs it.
+overlapping the updates), `parallel` (wide, with `sac.parallel_update=true`: the critics' and the actor's gradient
+steps at once, one core each). SB3 runs in its own process with torch's default threads (2 here), as a user runs it.
 `--set` overrides the preset for both libraries (e.g. `sac.learning_starts=1000` for a short run). The 1-minute
 load average is sampled during each run.
 """
@@ -32,7 +33,9 @@ PRESET = "sac_halfcheetah"
 SETTINGS: list[str] = []  # --set: overrides of the preset, for both libraries
 PLANS = {"lockstep": ["cluster.placement=env,rollout,actor: 0", "sac.max_policy_lag=0"],
          "wide": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=0"],
-         "pipelined": ["cluster.placement=env,rollout: 0; actor: 1", "sac.max_policy_lag=1"]}
+         "pipelined": ["cluster.placement=env,rollout: 0; actor: 1", "sac.max_policy_lag=1"],
+         "parallel": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=0",
+                      "sac.parallel_update=true"]}
 
 
 def sb3_run(steps: int, seed: int, out: Path) -> dict:
@@ -100,11 +103,17 @@ def update_only(threads: int, rounds: int = 5, n: int = 64) -> str:
     torch.set_num_threads(threads)
     cfg = C.load(C.EmbodiedConfig, PRESET, ["sac.buffer_size=100000", *SETTINGS])
     env = gym.make(cfg.env.id)
-    ours = SACLearnerWorker(cfg, env.observation_space, env.action_space)
     obs, act, size = env.observation_space.shape, env.action_space.shape, 20_000
-    ours.buffer.add({"obs": torch.randn(size, *obs), "actions": torch.rand(size, *act) * 2 - 1,
-                     "rewards": torch.randn(size), "next_obs": torch.randn(size, *obs),
-                     "terminated": torch.zeros(size, dtype=torch.bool)})
+    data = {"obs": torch.randn(size, *obs), "actions": torch.rand(size, *act) * 2 - 1, "rewards": torch.randn(size),
+            "next_obs": torch.randn(size, *obs), "terminated": torch.zeros(size, dtype=torch.bool)}
+    learners = {}
+    for name, extra in (("m2flow", []), ("m2flow parallel", ["sac.parallel_update=true"])):
+        if name == "m2flow parallel" and threads < 2:
+            continue  # two threads of one core each: nothing to run them on
+        its = C.load(C.EmbodiedConfig, PRESET, ["sac.buffer_size=100000", *SETTINGS, *extra])
+        learners[name] = SACLearnerWorker(its, env.observation_space, env.action_space)
+        learners[name].buffer.add(data)
+        learners[name].env_steps = size  # past learning_starts
     sb3 = SAC("MlpPolicy", env, buffer_size=100_000, learning_starts=0, batch_size=cfg.sac.batch_size,
               learning_rate=cfg.actor.lr, policy_kwargs=dict(net_arch=list(cfg.policy.hidden), activation_fn=nn.ReLU),
               device="cpu")
@@ -112,18 +121,19 @@ def update_only(threads: int, rounds: int = 5, n: int = 64) -> str:
     for _ in range(size):
         sb3.replay_buffer.add(np.random.randn(1, *obs), np.random.randn(1, *obs), np.random.rand(1, *act) * 2 - 1,
                               np.random.randn(1), np.zeros(1), [{}])
-    times: dict[str, list[float]] = {"m2flow": [], "sb3": []}
-    runs = {"m2flow": lambda: [ours._update() for _ in range(n)],
-            "sb3": lambda: sb3.train(gradient_steps=n, batch_size=cfg.sac.batch_size)}
+    runs = {name: (lambda learner=learner: learner._updates(0, n)) for name, learner in learners.items()}
+    runs["sb3"] = lambda: sb3.train(gradient_steps=n, batch_size=cfg.sac.batch_size)
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(rounds + 1):  # the first round warms up
         for name, fn in runs.items():
             start = time.perf_counter()
             fn()
             if r:
                 times[name].append((time.perf_counter() - start) / n * 1000)
-    a, b = statistics.median(times["m2flow"]), statistics.median(times["sb3"])
-    return (f"{threads} thread(s), load {os.getloadavg()[0]:.2f}: m2flow {a:.2f} ms per gradient step, SB3 {b:.2f} "
-            f"ms, SB3 / m2flow {b / a:.2f}")
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    return (f"{threads} thread(s), load {os.getloadavg()[0]:.2f}, ms per gradient step: "
+            + ", ".join(f"{name} {t:.2f} (SB3 / it {ms['sb3'] / t:.2f})" for name, t in ms.items() if name != "sb3")
+            + f", SB3 {ms['sb3']:.2f}")
 
 
 def one(args) -> None:

@@ -851,6 +851,10 @@ class SACConfig:
     max_policy_lag: int = opt(0, "0: an iteration's updates see its own env steps (SB3's order: collect, then "
                                  "update); 1: the learner updates on the steps before while the envs collect the "
                                  "next (overlapped when the plan puts them on different devices)")
+    parallel_update: bool = opt(False, "the critics' and the actor's gradient steps run at once, in two threads "
+                                       "with half the learner's cores each; the actor's loss then reads the critics "
+                                       "before this step's update (as the original SAC implementation does) instead "
+                                       "of after it (SB3). Pays off when the learner has 2+ cores")
     demos: str = opt("", "RLPD: `m2flow demos` directories (comma-separated, one per task) whose successful episodes "
                          "fill a second buffer; each minibatch draws demo_fraction of its rows from it")
     demo_fraction: float = opt(0.5, "with sac.demos: the share of every minibatch drawn from the demonstrations")

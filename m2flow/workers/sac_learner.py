@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,6 +36,21 @@ from m2flow.workloads.embodied.bc import demo_transitions
 from m2flow.workloads.embodied.replay import ReplayBuffer, transitions
 
 STATS = ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/entropy", "sac/q_mean")
+
+
+@contextmanager
+def _intra_op_threads(n: int | None):
+    """torch's intra-op threads set to n (None: left alone) while the updates run, then restored: the process may
+    host other workers. sac.parallel_update halves them, one half for each of its two threads."""
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class SACLearnerWorker(PublishesWeights, Worker):
@@ -69,6 +86,10 @@ class SACLearnerWorker(PublishesWeights, Worker):
                                       seed=cfg.run.seed + 4343)
             self.demos.add(data)
         self.gen = torch.Generator().manual_seed(cfg.run.seed + 777)  # the updates' reparameterization noise
+        self._pool, self._threads = None, None
+        if s.parallel_update:  # two threads, each with half the learner's cores for its own ops
+            self._threads = max(1, torch.get_num_threads() // 2)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="m2flow-sac-actor")
         self.version, self.updates, self.env_steps = 0, 0, 0
 
     def train(self, inp, step: int, producers: int) -> dict:
@@ -100,7 +121,7 @@ class SACLearnerWorker(PublishesWeights, Worker):
             n = self.cfg.sac.train_freq * self.cfg.env.num_envs
         if self.env_steps < max(self.cfg.sac.learning_starts, 1) or not n:
             return {"sac/updates": 0}
-        with self.device_phase("train", step):
+        with self.device_phase("train", step), _intra_op_threads(self._threads):
             done = [x for x in (self._update() for _ in range(n)) if x is not None]
         stats = torch.stack(done).mean(0).tolist() if done else [float("nan")] * len(STATS)
         return {**dict(zip(STATS, stats)), "sac/updates": len(done), "actor/nonfinite_skipped": n - len(done)}
@@ -108,25 +129,17 @@ class SACLearnerWorker(PublishesWeights, Worker):
     def _update(self) -> torch.Tensor | None:
         """One gradient step (temperature, critics, actor, targets, in SB3's order) -> its stats; None when it was
         dropped for a non-finite loss (actor.nonfinite=skip)."""
-        s, gamma = self.cfg.sac, self.cfg.algorithm.gamma
+        s = self.cfg.sac
         b = self._sample(s.batch_size)
         eps = torch.randn((2, s.batch_size, *self.policy.mu.bias.shape), generator=self.gen)
-        pi, logp = self.policy.sample(b["obs"], eps[0])
         alpha = self.log_alpha.detach().exp()  # this step's temperature, before its own update (as SB3)
-        with torch.no_grad():
-            next_pi, next_logp = self.policy.sample(b["next_obs"], eps[1])
-            y = soft_td_target(b["rewards"], b["terminated"], *self.target(b["next_obs"], next_pi), next_logp, alpha,
-                               gamma)
-        q1, q2 = self.critic(b["obs"], b["actions"])
-        c_loss = critic_loss(q1, q2, y)
-        if not bool(torch.isfinite(c_loss)):  # before anything is stepped: stop, or drop this gradient step
-            culprit = "the critics' loss (a non-finite reward or observation in the buffer, or diverged critics)"
-            nonfinite_update(float(c_loss.detach()), culprit, self.cfg.actor.nonfinite)
+        if self._pool is not None:
+            return self._parallel_update(b, eps, alpha)
+        pi, logp = self.policy.sample(b["obs"], eps[0])
+        c_loss, q = self._critic_loss(b, eps[1], alpha)
+        if not self._finite(c_loss):
             return None
-        if self.tuned:
-            self.alpha_opt.zero_grad()
-            temperature_loss(self.log_alpha, logp, self.target_entropy).backward()
-            self.alpha_opt.step()
+        self._temperature_step(logp)
         self.critic_opt.zero_grad()
         c_loss.backward()
         self.critic_opt.step()
@@ -136,10 +149,62 @@ class SACLearnerWorker(PublishesWeights, Worker):
         a_loss.backward()
         self.actor_opt.step()
         self.critic.requires_grad_(True)
+        return self._after_step(c_loss, a_loss, alpha, logp, q)
+
+    def _parallel_update(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
+        """sac.parallel_update: the actor's gradient in the pool's thread, through the critics as they are before
+        this step, while this thread takes the critics' gradient; then the temperature, critics and actor step."""
+        self.actor_opt.zero_grad()
+        actor = self._pool.submit(self._actor_gradient, b["obs"], eps[0], alpha)
+        c_loss, q = self._critic_loss(b, eps[1], alpha)
+        self.critic_opt.zero_grad()
+        c_loss.backward()
+        a_loss, logp = actor.result()
+        if not self._finite(c_loss):
+            return None
+        self._temperature_step(logp)
+        self.critic_opt.step()
+        self.actor_opt.step()
+        return self._after_step(c_loss, a_loss, alpha, logp, q)
+
+    def _actor_gradient(self, obs: torch.Tensor, eps: torch.Tensor, alpha: torch.Tensor):
+        """The actor's loss and its gradient into the actor's weights only (`inputs=`: the critics' weights get
+        none, and are neither written nor differentiated, so the other thread's critic step is untouched)."""
+        torch.set_num_threads(self._threads)  # this thread's own OpenMP team, which need not follow the other's
+        pi, logp = self.policy.sample(obs, eps)
+        loss = actor_loss(logp, *self.critic(obs, pi), alpha)
+        torch.autograd.backward(loss, inputs=list(self.policy.parameters()))
+        return loss.detach(), logp.detach()
+
+    def _critic_loss(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both critics' loss against the soft TD target of the target critics, and the first critic's mean Q."""
+        with torch.no_grad():
+            next_pi, next_logp = self.policy.sample(b["next_obs"], eps)
+            y = soft_td_target(b["rewards"], b["terminated"], *self.target(b["next_obs"], next_pi), next_logp, alpha,
+                               self.cfg.algorithm.gamma)
+        q1, q2 = self.critic(b["obs"], b["actions"])
+        return critic_loss(q1, q2, y), q1.detach().mean()
+
+    def _finite(self, c_loss: torch.Tensor) -> bool:
+        """Checked before anything is stepped: a non-finite critics' loss stops the run, or drops this step."""
+        if bool(torch.isfinite(c_loss)):
+            return True
+        culprit = "the critics' loss (a non-finite reward or observation in the buffer, or diverged critics)"
+        nonfinite_update(float(c_loss.detach()), culprit, self.cfg.actor.nonfinite)
+        return False
+
+    def _temperature_step(self, logp: torch.Tensor) -> None:
+        if self.tuned:
+            self.alpha_opt.zero_grad()
+            temperature_loss(self.log_alpha, logp, self.target_entropy).backward()
+            self.alpha_opt.step()
+
+    def _after_step(self, c_loss, a_loss, alpha, logp, q) -> torch.Tensor:
+        """Count the step, move the target critics every target_update_interval steps -> the step's stats."""
         self.updates += 1
-        if self.updates % s.target_update_interval == 0:
-            polyak_update(list(self.target.parameters()), list(self.critic.parameters()), s.tau)
-        return torch.stack([c_loss.detach(), a_loss.detach(), alpha, -logp.detach().mean(), q1.detach().mean()])
+        if self.updates % self.cfg.sac.target_update_interval == 0:
+            polyak_update(list(self.target.parameters()), list(self.critic.parameters()), self.cfg.sac.tau)
+        return torch.stack([c_loss.detach(), a_loss.detach(), alpha, -logp.detach().mean(), q])
 
     def _sample(self, n: int) -> dict[str, torch.Tensor]:
         """A minibatch of n transitions: from the online buffer, or (RLPD) demo_fraction of them from the

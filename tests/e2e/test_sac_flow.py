@@ -60,6 +60,22 @@ def test_lockstep_and_pipelined_plans_give_identical_sac_runs_at_lag_0(cluster, 
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_parallel_update_gives_the_same_run_in_the_lockstep_and_the_pipelined_plan(cluster, tmp_path):
+    """sac.parallel_update reaches the learner (its actor reads the critics before each step's update, so its losses
+    part from the sequential step's after the first update) and stays deterministic across plans."""
+    common = ["policy.hidden=[32,32]", "run.steps=3", "sac.learning_starts=64", "eval.episodes=0"]
+    runs = [train(cfg_for(tmp_path, name, *placement, *common, *extra), cluster) for name, placement, extra in (
+        ("par_lockstep", ["cluster.placement=env,rollout,actor: 0"], ["sac.parallel_update=true"]),
+        ("par_piped", ["cluster.placement=env,rollout: 0; actor: 1", "env.pipeline_stages=2"],
+         ["sac.parallel_update=true"]),
+        ("seq_lockstep", ["cluster.placement=env,rollout,actor: 0"], []))]
+    par, piped, seq = (rows(r) for r in runs)
+    for key in ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/q_mean"):
+        assert [r.get(key) for r in par] == [r.get(key) for r in piped], key
+    assert all(r["sac/critic_loss"] == r["sac/critic_loss"] for r in par)  # trains: finite
+    assert [r["sac/actor_loss"] for r in par] != [r["sac/actor_loss"] for r in seq]
+
+
 def test_max_policy_lag_1_updates_before_it_takes_the_iterations_steps(cluster, tmp_path):
     """With lag 1 the updates of iteration k see the steps up to k - 1: the first updates come an iteration later
     than at lag 0, and the run still trains (the critic's loss is finite, the actor's weights move)."""

@@ -3,6 +3,7 @@ worker uses), the uniform warm-up actions, the sac config section's errors, RLPD
 minibatches."""
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from gymnasium import spaces
 
 from m2flow import config as C
-from m2flow.algorithms import squashed_gaussian_logprob
+from m2flow.algorithms import actor_loss, squashed_gaussian_logprob
 from m2flow.workers.policy import make_policy, sample_actions, uniform_actions
 from m2flow.workers.sac_learner import SACLearnerWorker
 from m2flow.workloads.embodied import SquashedGaussianActor, TwinQ
@@ -140,10 +141,11 @@ def test_rlpd_minibatches_draw_their_demo_fraction_from_the_demonstrations():
         C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.demo_fraction=1"])
 
 
+@pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("mode", ["stop", "skip"])
-def test_a_non_finite_critic_loss_stops_or_is_dropped_before_anything_steps(mode):
+def test_a_non_finite_critic_loss_stops_or_is_dropped_before_anything_steps(mode, parallel):
     cfg = C.load(C.EmbodiedConfig, "sac_pendulum", ["policy.hidden=[8]", "sac.buffer_size=100", "sac.batch_size=4",
-                                                    f"actor.nonfinite={mode}"])
+                                                    f"actor.nonfinite={mode}", f"sac.parallel_update={parallel}"])
     learner = SACLearnerWorker(cfg, spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-2, 2, (1,), np.float32))
     learner.buffer.add({"obs": torch.zeros(8, 3), "actions": torch.zeros(8, 1), "rewards": torch.full((8,), np.nan),
                         "next_obs": torch.zeros(8, 3), "terminated": torch.zeros(8, dtype=torch.bool)})
@@ -159,3 +161,67 @@ def test_a_non_finite_critic_loss_stops_or_is_dropped_before_anything_steps(mode
         assert out["actor/nonfinite_skipped"] == 5 and out["sac/updates"] == 0
     assert learner.log_alpha.item() == alpha  # the temperature, the critics, the actor, the targets: untouched
     assert all(torch.equal(v, n.state_dict()[k]) for n, b in zip(nets, before) for k, v in b.items())
+
+
+def _pendulum_learner(*overrides):
+    cfg = C.load(C.EmbodiedConfig, "sac_pendulum", ["policy.hidden=[16,16]", "sac.buffer_size=200", "sac.batch_size=32",
+                                                    *overrides])
+    learner = SACLearnerWorker(cfg, spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-2, 2, (1,), np.float32))
+    g = torch.Generator().manual_seed(3)
+    learner.buffer.add({"obs": torch.randn(200, 3, generator=g), "actions": torch.rand(200, 1, generator=g) * 2 - 1,
+                        "rewards": torch.randn(200, generator=g), "next_obs": torch.randn(200, 3, generator=g),
+                        "terminated": torch.rand(200, generator=g) < 0.1})
+    learner.env_steps = 1000  # past learning_starts
+    return learner
+
+
+def _weights(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def test_parallel_update_steps_the_actor_through_the_critics_before_their_update():
+    """sac.parallel_update: the critics, targets and temperature step exactly as in the sequential step; the actor's
+    gradient reads the critics as they were before this step (a hand-written reference), not after (SB3)."""
+    par, seq, ref = (_pendulum_learner(*o) for o in (["sac.parallel_update=true"], [], []))
+    assert par._pool is not None and seq._pool is None
+    par._update()
+    seq._update()
+    for net in ("critic", "target"):
+        a, b = _weights(getattr(par, net)), _weights(getattr(seq, net))
+        assert all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in a), net
+    assert par.log_alpha.item() == pytest.approx(seq.log_alpha.item(), rel=1e-6)
+    # the reference actor step: the same minibatch and noise, the loss through the critics not yet stepped
+    b = ref._sample(32)
+    eps = torch.randn((2, 32, 1), generator=ref.gen)
+    alpha = ref.log_alpha.detach().exp()
+    pi, logp = ref.policy.sample(b["obs"], eps[0])
+    ref.actor_opt.zero_grad()
+    actor_loss(logp, *ref.critic(b["obs"], pi), alpha).backward()
+    ref.actor_opt.step()
+    # Adam's first step is the gradient's sign, so compare the gradients the steps applied
+    want, got, sb3 = ([p.grad.clone() for p in x.policy.parameters()] for x in (ref, par, seq))
+    assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-7) for g, w in zip(got, want))
+    assert not all(torch.allclose(g, w, rtol=1e-3) for g, w in zip(sb3, want))  # SB3's order reads the new critics
+    assert all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)  # the critics' gradient: their loss's only
+               for p, q in zip(par.critic.parameters(), seq.critic.parameters()))
+
+def test_parallel_update_is_deterministic_and_uses_half_the_threads_in_each_of_its_two():
+    runs = []
+    for _ in range(2):
+        learner = _pendulum_learner("sac.parallel_update=true")
+        threads, seen, gradient = torch.get_num_threads(), [], learner._actor_gradient
+
+        def watched(*args):
+            out = gradient(*args)
+            seen.append((threading.get_ident(), torch.get_num_threads()))
+            return out
+
+        learner._actor_gradient = watched
+        out = learner._updates(0, 20)
+        assert torch.get_num_threads() == threads  # restored after the updates
+        assert learner._threads == max(1, threads // 2)
+        assert {s for s in seen} == {(seen[0][0], learner._threads)} and seen[0][0] != threading.get_ident()
+        runs.append((out, _weights(learner.policy), _weights(learner.critic)))
+    assert runs[0][0] == runs[1][0] and runs[0][0]["sac/updates"] == 20
+    for i in (1, 2):
+        assert all(torch.equal(runs[0][i][k], runs[1][i][k]) for k in runs[0][i])
