@@ -937,9 +937,5 @@ class EmbodiedConfig:
                                   f"(got {self.policy.kind}, {self.env.chunk}, {self.env.seed_groups})")
             if self.actor.bc_coef > 0:
                 raise ConfigError("actor.bc_coef is PPO's behaviour-cloning term; algorithm.name=sac does not use it")
-            if self.cluster.placement == "auto":
-                raise ConfigError("cluster.placement=auto does not plan SAC yet (its profiler times PPO's update); name "
-                                  "a placement, e.g. 'env,rollout,actor: 0' or 'env,rollout: 0; actor: 1' with "
-                                  "sac.max_policy_lag=1")
         if self.algorithm.name == "grpo" and self.env.seed_groups < 2:
             raise ConfigError("algorithm.name=grpo needs env.seed_groups >= 2 (advantages are relative within a group)")

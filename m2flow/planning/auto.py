@@ -105,9 +105,13 @@ def auto_plan_embodied(cfg, cluster: Cluster, run_dir: str | Path) -> tuple[Auto
     num_envs = cfg.env.num_envs
     path, profile = _profile(run_dir, "embodied", list(EMBODIED),
                              lambda path: profile_embodied(cfg, cluster, out_path=path, run_dir=run_dir))
-    result = embodied_plans(profile, cluster.num_devices, num_envs)
-    _write_search(run_dir, path, result, f"{num_envs} envs x {cfg.rollout.steps} steps per iteration",
-                  "the embodied flow can run (one worker of each component per device, equal env stages)")
+    sac = cfg.algorithm.name == "sac"  # one learner rank; with sac.max_policy_lag 1, collection overlaps updates
+    result = embodied_plans(profile, cluster.num_devices, num_envs, staleness=cfg.sac.max_policy_lag if sac else 0,
+                            one_learner=sac)
+    horizon = cfg.sac.train_freq if sac else cfg.rollout.steps
+    _write_search(run_dir, path, result, f"{num_envs} envs x {horizon} steps per iteration",
+                  "the embodied flow can run (one worker of each component per device, equal env stages"
+                  + ("; the SAC learner one process over its devices)" if sac else ")"))
     best = result.best
     base = make_plan(best.spec, cluster.num_devices, list(EMBODIED), num_envs, best.micro_batch)
     plan = AutoPlan(base.placement, base.micro_batch, base.channel_maxsize, base.offload, best.seconds,

@@ -19,6 +19,8 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 from m2flow.planning.profile import _Probe, median_rows
 from m2flow.runtime import Channel, Cluster, parse_placement, running
 from m2flow.scheduler.profile import (
@@ -32,6 +34,7 @@ from m2flow.scheduler.profile import (
 from m2flow.workers.embodied_actor import EmbodiedActorWorker
 from m2flow.workers.env import EnvWorker
 from m2flow.workers.policy import PolicyWorker
+from m2flow.workers.sac_learner import SACLearnerWorker
 from m2flow.workers.sync import sync_weights
 
 COMPONENTS = ("env", "rollout", "actor")
@@ -48,14 +51,32 @@ class EnvProbe(_Probe, EnvWorker):
             base.env, num_envs=num_envs, pipeline_stages=1, seed_groups=groups)))
 
 
-class PolicyProbe(_Probe, PolicyWorker):
+class _PolicyProbe(_Probe):
     def model_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.policy.state_dict().values())
 
 
-class EmbodiedActorProbe(_Probe, EmbodiedActorWorker):
-    def model_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.policy.state_dict().values())
+class PolicyProbe(_PolicyProbe, PolicyWorker):
+    pass
+
+
+class EmbodiedActorProbe(_PolicyProbe, EmbodiedActorWorker):
+    pass
+
+
+class SACLearnerProbe(_PolicyProbe, SACLearnerWorker):
+    def state_bytes(self) -> int:
+        """The networks, their optimizers' state and the replay buffers (preallocated: full size from the start)."""
+        tensors = [*self.policy.parameters(), *self.critic.parameters(), *self.target.parameters()]
+        tensors += [v for opt in (self.actor_opt, self.critic_opt) for st in opt.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor)]
+        buffers = self.buffer.nbytes + (self.demos.nbytes if self.demos is not None else 0)
+        return sum(t.numel() * t.element_size() for t in tensors) + buffers
+
+
+def _horizon(cfg) -> int:
+    """Policy steps per env in one iteration's rollout: sac.train_freq off-policy, rollout.steps on-policy."""
+    return cfg.sac.train_freq if cfg.algorithm.name == "sac" else cfg.rollout.steps
 
 
 def default_batches(num_envs: int) -> list[int]:
@@ -77,7 +98,10 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
     out_path = Path(out_path or run_dir / "profile.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     work_dir = run_dir / "profile_work"
-    num_envs, horizon = cfg.env.num_envs, cfg.rollout.steps
+    sac = cfg.algorithm.name == "sac"
+    if sac:  # the learner updates from the first iteration on, so that every timed call takes its gradient steps
+        cfg = dataclasses.replace(cfg, sac=dataclasses.replace(cfg.sac, learning_starts=0))
+    num_envs, horizon = cfg.env.num_envs, _horizon(cfg)
     batches = sorted(set(batches or default_batches(num_envs)) | {num_envs})
     if any(b < 1 or b > num_envs for b in batches):
         raise ValueError(f"profile: env counts {batches} must lie in 1..env.num_envs={num_envs}")
@@ -90,21 +114,25 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
     try:
         for d in devices:
             last = "0" if d == 1 else f"0-{d - 1}"
-            placement = parse_placement(f"env,rollout,actor: {last}", cluster.num_devices, COMPONENTS)
+            # SAC's learner is one rank: one process over the d devices, as its plans place it
+            ranks = 1 if sac else d  # actor ranks
+            spec = f"env,rollout: {last}; actor: {last}:0" if sac and d > 1 else f"env,rollout,actor: {last}"
+            placement = parse_placement(spec, cluster.num_devices, COMPONENTS)
             env = EnvProbe.launch(cluster, placement["env"], cfg, run_dir=str(work_dir))
             groups = [env]
             with running(groups):  # released after it, killed on a raise
                 spaces = env.on(0).spaces().wait()[0]
                 policy = PolicyProbe.launch(cluster, placement["rollout"], cfg, *spaces, run_dir=str(work_dir))
                 groups.append(policy)
-                actor = EmbodiedActorProbe.launch(cluster, placement["actor"], cfg, *spaces, run_dir=str(work_dir))
+                learner = SACLearnerProbe if sac else EmbodiedActorProbe
+                actor = learner.launch(cluster, placement["actor"], cfg, *spaces, run_dir=str(work_dir))
                 groups.append(actor)
                 sync_weights(actor.on([0]), [policy], check=True)
                 policy_of = [policy.on(r) for r in range(d)]
                 for b in (b for b in batches if b % d == 0):
                     env.resize(b).wait()
                     for i in range(repeats + 1):  # the first rollout of each size warms up
-                        outs = env.call_per_rank("rollout", [(policy_of[r], trajectories, horizon, step, d)
+                        outs = env.call_per_rank("rollout", [(policy_of[r], trajectories, horizon, step, ranks)
                                                              for r in range(d)]).wait()
                         step += 1
                         if b == num_envs:  # the update on this whole iteration's trajectories
@@ -112,7 +140,7 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                             r = max(actor.timed("train", trajectories, 0, d).wait(), key=lambda x: x["seconds"])
                             info["rpc"].append(time.perf_counter() - t - r["seconds"])
                         else:  # one copy per actor rank from each env worker
-                            for a in range(d * d):
+                            for a in range(d * ranks):
                                 trajectories.get(key=a // d)
                         if not i:
                             continue
@@ -165,7 +193,7 @@ def _lockstep_rollouts(cfg, cluster: Cluster, trajectories, work_dir: Path, repe
                                     run_dir=str(work_dir), host_with=env if cohost else None)
         groups.append(policy)
         for i in range(repeats + 1):  # the first warms up
-            out = env.rollout(policy, trajectories, cfg.rollout.steps, step, 1).wait()[0]
+            out = env.rollout(policy, trajectories, _horizon(cfg), step, 1).wait()[0]
             trajectories.get(key=0)
             step += 1
             if i:

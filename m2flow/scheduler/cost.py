@@ -394,8 +394,9 @@ def predict(model: CostModel, layout: Layout, batch: int | None = None, micro_ba
     offloading). Env<->rollout loop on different devices with S stages: max(S*env, S*rollout, env+rollout+transfer
     +split latency) at batch/S; on the same devices they take turns: S*(env + rollout + shared latency) at batch/S.
     Then once-per-step work, switches, the tail stages on the whole batch one after another, weight sync.
-    `staleness` (the flow's algorithm.max_staleness) >= 1: generation of the next steps overlaps this one wherever the
-    source has devices of its own (`overlapped`); the saving is a negative part of the breakdown.
+    `staleness` (the flow's algorithm.max_staleness, or the off-policy embodied flow's sac.max_policy_lag) >= 1:
+    generation (or the env<->rollout loop's collection) of the next steps overlaps this one wherever the source has
+    devices of its own (`overlapped`); the saving is a negative part of the breakdown.
     """
     batch = batch or model.profile.batch
     micro_batch = micro_batch or batch
@@ -443,10 +444,12 @@ def predict(model: CostModel, layout: Layout, batch: int | None = None, micro_ba
     if t.sync:
         parts.append(("weight sync", t.sync))
     seconds = sum(s for _, s in parts)
-    if staleness and not model.profile.loop:
+    if staleness:
         steady = overlapped(len(layout.groups), _boxes(model, layout, t), seconds, staleness)
         if steady < seconds - 1e-12:
-            parts.append((f"overlap with the next steps' generation (max_staleness {staleness})", steady - seconds))
+            label = ("the next iteration's collection (max_policy_lag" if model.profile.loop
+                     else "the next steps' generation (max_staleness")
+            parts.append((f"overlap with {label} {staleness})", steady - seconds))
             seconds = steady
     top = max(busy, key=busy.__getitem__)
     bottleneck = "context switch" if switch > busy[top] else top

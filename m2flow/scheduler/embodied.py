@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from m2flow.scheduler.cost import Layout
 from m2flow.scheduler.profile import Profile
 from m2flow.scheduler.search import Candidate, SearchResult, search
 
@@ -20,17 +21,47 @@ def runnable(c: Candidate, num_envs: int) -> bool:
     return (not c.offload and num_envs % env == 0 and per_worker % c.env_stages == 0 and env % rollout == 0)
 
 
-def embodied_plans(profile: Profile, num_devices: int, num_envs: int | None = None, top: int = 1 << 30) -> SearchResult:
+class OneLearnerCandidate(Candidate):
+    """A candidate placed as the off-policy flow runs it: the actor (SAC's learner, one rank) one process over its
+    devices (`actor: 0-1:0`), env and rollout one worker per device."""
+
+    @property
+    def spec(self) -> str:
+        return one_rank_spec(self.layout, "actor")
+
+
+def one_rank_spec(layout: Layout, name: str) -> str:
+    """`layout`'s placement spec with component `name` one process over its devices, e.g. the collocated layout on 2
+    devices -> `env,rollout: 0-1; actor: 0-1:0`."""
+    groups = list(zip(layout.groups, layout.ranges()))
+    if layout.shared:
+        groups.append((layout.shared, (0, layout.num_devices - 1)))
+    parts = []
+    for group, (lo, hi) in groups:
+        devices = str(lo) if lo == hi else f"{lo}-{hi}"
+        if rest := [c for c in group if c != name]:
+            parts.append(f"{','.join(rest)}: {devices}")
+        if name in group:
+            parts.append(f"{name}: {devices}" + ("" if lo == hi else ":0"))
+    return "; ".join(parts)
+
+
+def embodied_plans(profile: Profile, num_devices: int, num_envs: int | None = None, top: int = 1 << 30,
+                   staleness: int = 0, one_learner: bool = False) -> SearchResult:
     """The plans the embodied flow can run on `num_devices` devices for `num_envs` envs (default: the profile's
     batch), fastest predicted first (one row per layout and stage count), and the fastest collocated one. A
     candidate's `spec` launches it: one worker per device for each component (env worker r asks policy worker r % R;
-    the actor ranks are data-parallel)."""
+    the actor ranks are data-parallel), or with `one_learner` (SAC) the actor one process over its devices.
+    `staleness` (sac.max_policy_lag): >= 1 lets the next iteration's collection overlap this one's update wherever the
+    actor has devices of its own."""
     if tuple(profile.stages) != COMPONENTS or tuple(profile.loop) != COMPONENTS[:2]:
         raise ValueError(f"{profile.source}: an embodied profile with stages {list(COMPONENTS)} and loop "
                          f"{list(COMPONENTS[:2])} is needed, got stages {list(profile.stages)}, "
                          f"loop {list(profile.loop)}")
     num_envs = num_envs or profile.batch
-    result = search(profile, num_devices, top=1 << 30, components=list(COMPONENTS), batch=num_envs)
+    result = search(profile, num_devices, top=1 << 30, components=list(COMPONENTS), batch=num_envs, staleness=staleness)
     keep = [c for c in result.candidates if runnable(c, num_envs)]
+    if one_learner:
+        keep = [OneLearnerCandidate(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)}) for c in keep]
     collocated = next((c for c in keep if c.mode == "collocated"), None)
     return dataclasses.replace(result, candidates=keep[:top], collocated=collocated)

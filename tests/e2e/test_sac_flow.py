@@ -76,6 +76,33 @@ def test_parallel_update_gives_the_same_run_in_the_lockstep_and_the_pipelined_pl
     assert [r["sac/actor_loss"] for r in par] != [r["sac/actor_loss"] for r in seq]
 
 
+def test_auto_mode_profiles_the_sac_learner_and_plans_it_as_one_rank(cluster, tmp_path):
+    """cluster.placement=auto with SAC: the profiler times the SAC learner's real gradient steps on 1 and 2 devices
+    (one process over both), every plan it ranks launches one learner rank, and the chosen plan trains at lag 1."""
+    from auto_check import auto_outputs
+
+    from m2flow.api import train as api_train
+    from m2flow.runtime import parse_placement
+    from m2flow.scheduler.profile import Profile
+
+    cfg = cfg_for(tmp_path, "auto", "policy.hidden=[32,32]", "run.steps=3", "sac.learning_starts=64",
+                  "eval.episodes=0", "sac.max_policy_lag=1", "cluster.placement=auto")
+    api_train(cfg, cluster=cluster)
+    run = tmp_path / "auto"
+    profile = Profile.load(run / "profile.json")
+    actor = {m.devices: m for m in profile.measurements if m.component == "actor"}
+    assert set(actor) == {1, 2} and all(m.batch == 8 and m.seconds > 0 for m in actor.values())
+    assert profile.components["actor"].state_bytes >= cfg.sac.buffer_size * 4 * (3 + 1 + 1 + 3)  # the buffer counts
+    plan, plans, _ = auto_outputs(run, 3)
+    assert len(plans) == 4
+    for c in plans:
+        assert parse_placement(c["placement_spec"], 2, ["env", "rollout", "actor"])["actor"].world_size == 1
+    assert "8 envs x 8 steps per iteration" in (run / "plan_candidates.txt").read_text()
+    history = rows({"run_dir": run})
+    assert [r["sac/updates"] for r in history] == [0, 64, 64]  # lag 1: the first iteration's steps train the second
+    assert all(r["sac/critic_loss"] == r["sac/critic_loss"] for r in history[1:])
+
+
 def test_max_policy_lag_1_updates_before_it_takes_the_iterations_steps(cluster, tmp_path):
     """With lag 1 the updates of iteration k see the steps up to k - 1: the first updates come an iteration later
     than at lag 0, and the run still trains (the critic's loss is finite, the actor's weights move)."""

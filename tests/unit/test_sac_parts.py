@@ -89,7 +89,6 @@ def test_sac_needs_a_bounded_box():
     ("sac.tau=0", r"sac.tau must be in \(0, 1\]"),
     ("sac.max_policy_lag=2", "sac.max_policy_lag must be 0 or 1"),
     ("env.chunk=2", "algorithm.name=sac needs policy.kind=mlp, env.chunk=1"),
-    ("cluster.placement=auto", "cluster.placement=auto does not plan SAC yet"),
 ])
 def test_bad_sac_settings_name_the_field(override, message):
     with pytest.raises(C.ConfigError, match=message):

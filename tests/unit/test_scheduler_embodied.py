@@ -121,3 +121,21 @@ def test_one_stage_on_shared_devices_is_charged_as_the_flow_runs_it_in_one_proce
     assert old.loop_latency.cohosted_scale is None and old.loop_latency.on_shared_devices(1) == (1.0, 0.3)
     with pytest.raises(Exception, match=r"x.json: loop_latency.cohosted_scale must be >= 0.0, got -1"):
         Profile.from_dict({**base.to_dict(), "loop_latency": {"cohosted_scale": -1}}, source="x.json")
+
+def test_sac_lag_1_overlaps_collection_with_the_update_on_its_own_device_and_keeps_one_learner():
+    """SAC (one learner rank, sac.max_policy_lag 1): where the actor has a device of its own the next iteration's
+    collection runs beside its update, so the step is the busier device's work; collocated, nothing overlaps."""
+    p = profile(env=1.0, policy=0.001, actor=2.0)  # the update on one device outweighs collection
+    lag0 = {(c.spec, c.env_stages): c for c in embodied_plans(p, 2, one_learner=True).candidates}
+    lag1 = {(c.spec, c.env_stages): c for c in embodied_plans(p, 2, staleness=1, one_learner=True).candidates}
+    assert set(lag0) == set(lag1)
+    apart = ("env,rollout: 0; actor: 1", 1)
+    loop = (0.02 + 1.0) + (0.02 + 0.001)  # env then policy on device 0, taking turns
+    assert lag0[apart].seconds == pytest.approx(loop + 2.0 + 0.01)
+    assert lag1[apart].seconds == pytest.approx(2.0 + 0.01)  # device 1's update; device 0 collects meanwhile
+    assert lag1[apart].prediction.parts[-1][0].startswith("overlap with the next iteration's collection")
+    together = ("env,rollout: 0-1; actor: 0-1:0", 1)  # collocated: the learner one process over both devices
+    assert lag1[together].seconds == pytest.approx(lag0[together].seconds)
+    for spec, _ in lag1:  # every candidate launches the learner as one rank
+        assert parse_placement(spec, 2, COMPONENTS)["actor"].world_size == 1, spec
+    assert embodied_plans(p, 2, one_learner=True).best.spec == together[0]  # lag 0: the update on both devices wins
