@@ -859,10 +859,16 @@ class SACConfig:
                          "fill a second buffer; each minibatch draws demo_fraction of its rows from it")
     demo_fraction: float = opt(0.5, "with sac.demos: the share of every minibatch drawn from the demonstrations")
     demo_episodes: int | None = opt(None, "with sac.demos: use the first N episodes of each dataset (None: all)")
+    bc_coef: float = opt(0.0, "with sac.demos: adds bc_coef x the squared error of the actor's deterministic action "
+                              "to the demonstrated one, on each minibatch's demonstration rows, to the actor's loss "
+                              "(as DDPG/TD3 + BC); 0: off")
 
     def validate(self, where: str) -> None:
         if not 0 < self.demo_fraction < 1:
             raise ConfigError(f"{where}.demo_fraction must be in (0, 1), got {self.demo_fraction}")
+        if self.bc_coef < 0 or (self.bc_coef > 0 and not self.demos):
+            raise ConfigError(f"{where}.bc_coef must be >= 0 and needs {where}.demos (the demonstrations it imitates), "
+                              f"got {self.bc_coef} with demos '{self.demos}'")
         for name in ("buffer_size", "batch_size", "train_freq", "target_update_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")

@@ -35,7 +35,7 @@ from m2flow.workloads.embodied import Trajectory, TwinQ
 from m2flow.workloads.embodied.bc import demo_transitions
 from m2flow.workloads.embodied.replay import ReplayBuffer, transitions
 
-STATS = ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/entropy", "sac/q_mean")
+STATS = ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/entropy", "sac/q_mean", "sac/bc_loss")
 
 
 @contextmanager
@@ -124,7 +124,10 @@ class SACLearnerWorker(PublishesWeights, Worker):
         with self.device_phase("train", step), _intra_op_threads(self._threads):
             done = [x for x in (self._update() for _ in range(n)) if x is not None]
         stats = torch.stack(done).mean(0).tolist() if done else [float("nan")] * len(STATS)
-        return {**dict(zip(STATS, stats)), "sac/updates": len(done), "actor/nonfinite_skipped": n - len(done)}
+        out = {**dict(zip(STATS, stats)), "sac/updates": len(done), "actor/nonfinite_skipped": n - len(done)}
+        if not self.cfg.sac.bc_coef:
+            del out["sac/bc_loss"]
+        return out
 
     def _update(self) -> torch.Tensor | None:
         """One gradient step (temperature, critics, actor, targets, in SB3's order) -> its stats; None when it was
@@ -144,37 +147,47 @@ class SACLearnerWorker(PublishesWeights, Worker):
         c_loss.backward()
         self.critic_opt.step()
         self.critic.requires_grad_(False)  # the actor's loss differentiates through the critics, not into them
-        a_loss = actor_loss(logp, *self.critic(b["obs"], pi), alpha)
+        a_loss, bc = self._actor_objective(b, pi, logp, alpha)
         self.actor_opt.zero_grad()
-        a_loss.backward()
+        (a_loss + self.cfg.sac.bc_coef * bc).backward()
         self.actor_opt.step()
         self.critic.requires_grad_(True)
-        return self._after_step(c_loss, a_loss, alpha, logp, q)
+        return self._after_step(c_loss, a_loss, bc, alpha, logp, q)
 
     def _parallel_update(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
         """sac.parallel_update: the actor's gradient in the pool's thread, through the critics as they are before
         this step, while this thread takes the critics' gradient; then the temperature, critics and actor step."""
         self.actor_opt.zero_grad()
-        actor = self._pool.submit(self._actor_gradient, b["obs"], eps[0], alpha)
+        actor = self._pool.submit(self._actor_gradient, b, eps[0], alpha)
         c_loss, q = self._critic_loss(b, eps[1], alpha)
         self.critic_opt.zero_grad()
         c_loss.backward()
-        a_loss, logp = actor.result()
+        a_loss, bc, logp = actor.result()
         if not self._finite(c_loss):
             return None
         self._temperature_step(logp)
         self.critic_opt.step()
         self.actor_opt.step()
-        return self._after_step(c_loss, a_loss, alpha, logp, q)
+        return self._after_step(c_loss, a_loss, bc, alpha, logp, q)
 
-    def _actor_gradient(self, obs: torch.Tensor, eps: torch.Tensor, alpha: torch.Tensor):
+    def _actor_gradient(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor):
         """The actor's loss and its gradient into the actor's weights only (`inputs=`: the critics' weights get
         none, and are neither written nor differentiated, so the other thread's critic step is untouched)."""
         torch.set_num_threads(self._threads)  # this thread's own OpenMP team, which need not follow the other's
-        pi, logp = self.policy.sample(obs, eps)
-        loss = actor_loss(logp, *self.critic(obs, pi), alpha)
-        torch.autograd.backward(loss, inputs=list(self.policy.parameters()))
-        return loss.detach(), logp.detach()
+        pi, logp = self.policy.sample(b["obs"], eps)
+        loss, bc = self._actor_objective(b, pi, logp, alpha)
+        torch.autograd.backward(loss + self.cfg.sac.bc_coef * bc, inputs=list(self.policy.parameters()))
+        return loss.detach(), bc.detach(), logp.detach()
+
+    def _actor_objective(self, b: dict, pi: torch.Tensor, logp: torch.Tensor, alpha: torch.Tensor):
+        """(SAC's actor loss through the critics, the BC term): with sac.bc_coef, the squared error of the actor's
+        deterministic action on the minibatch's demonstration rows (its first ones) to the demonstrated action."""
+        loss = actor_loss(logp, *self.critic(b["obs"], pi), alpha)
+        if not self.cfg.sac.bc_coef:
+            return loss, torch.zeros(())
+        k = self._demo_rows(len(pi))
+        mean, _ = self.policy.dist(b["obs"][:k])
+        return loss, (torch.tanh(mean) - b["actions"][:k]).pow(2).sum(-1).mean()
 
     def _critic_loss(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Both critics' loss against the soft TD target of the target critics, and the first critic's mean Q."""
@@ -199,21 +212,25 @@ class SACLearnerWorker(PublishesWeights, Worker):
             temperature_loss(self.log_alpha, logp, self.target_entropy).backward()
             self.alpha_opt.step()
 
-    def _after_step(self, c_loss, a_loss, alpha, logp, q) -> torch.Tensor:
+    def _after_step(self, c_loss, a_loss, bc, alpha, logp, q) -> torch.Tensor:
         """Count the step, move the target critics every target_update_interval steps -> the step's stats."""
         self.updates += 1
         if self.updates % self.cfg.sac.target_update_interval == 0:
             polyak_update(list(self.target.parameters()), list(self.critic.parameters()), self.cfg.sac.tau)
-        return torch.stack([c_loss.detach(), a_loss.detach(), alpha, -logp.detach().mean(), q])
+        return torch.stack([c_loss.detach(), a_loss.detach(), alpha, -logp.detach().mean(), q, bc.detach()])
 
     def _sample(self, n: int) -> dict[str, torch.Tensor]:
         """A minibatch of n transitions: from the online buffer, or (RLPD) demo_fraction of them from the
         demonstrations and the rest from the online buffer."""
         if self.demos is None:
             return self.buffer.sample(n)
-        k = round(n * self.cfg.sac.demo_fraction)
+        k = self._demo_rows(n)
         demo, online = self.demos.sample(k), self.buffer.sample(n - k)
         return {key: torch.cat([demo[key], online[key]]) for key in online}
+
+    def _demo_rows(self, n: int) -> int:
+        """How many of a minibatch of n rows come from the demonstrations (its first ones)."""
+        return round(n * self.cfg.sac.demo_fraction)
 
     # -- weights and checkpoints -----------------------------------------------------------------
     def publish_weights(self, check: bool = True, local: bool = False):

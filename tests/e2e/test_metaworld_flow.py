@@ -36,3 +36,20 @@ def test_demos_behaviour_cloning_then_ppo_from_it_lockstep_and_pipelined(cluster
     # the cloned policy reaches the goal from the first iteration on, in both plans; a random one does not
     assert min(lockstep[0]["rollout/success_once"], pipelined[0]["rollout/success_once"]) > 0
     assert scratch[0]["rollout/success_once"] == 0
+
+
+def test_sac_with_demonstrations_in_its_minibatches_and_a_bc_term(cluster, tmp_path):
+    """RLPD's sampling plus sac.bc_coef through the flow: half of every minibatch from the expert's episodes, and the
+    actor's squared error to their actions (logged as sac/bc_loss) falls as it trains."""
+    experts.write_demos("metaworld/reach-v3", 4, tmp_path / "demos")
+    base = [f"run.dir={tmp_path}", "run.name=rlpd", "run.progress=false", "run.trace=false", "run.steps=6",
+            "eval.episodes=0", "env.id=metaworld/reach-v3", "env.num_envs=4", "env.max_episode_steps=60",
+            "algorithm.name=sac", "policy.hidden=[64,64]", "policy.activation=relu", "actor.lr=1e-3",
+            "sac.train_freq=8", "sac.gradient_steps=-1", "sac.learning_starts=0", "sac.batch_size=64",
+            "sac.buffer_size=10000", f"sac.demos={tmp_path / 'demos'}", "sac.bc_coef=10",
+            "cluster.placement=env,rollout,actor: 0"]
+    result = train(C.load(C.EmbodiedConfig, "ppo_metaworld", base), cluster)
+    rows = [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
+    assert [r["sac/updates"] for r in rows] == [32] * 6 and rows[-1]["env_steps"] == 192
+    bc = [r["sac/bc_loss"] for r in rows]
+    assert bc[-1] < 0.5 * bc[0], bc

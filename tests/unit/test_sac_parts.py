@@ -89,6 +89,7 @@ def test_sac_needs_a_bounded_box():
     ("sac.tau=0", r"sac.tau must be in \(0, 1\]"),
     ("sac.max_policy_lag=2", "sac.max_policy_lag must be 0 or 1"),
     ("env.chunk=2", "algorithm.name=sac needs policy.kind=mlp, env.chunk=1"),
+    ("sac.bc_coef=1", "sac.bc_coef must be >= 0 and needs sac.demos"),
 ])
 def test_bad_sac_settings_name_the_field(override, message):
     with pytest.raises(C.ConfigError, match=message):
@@ -224,3 +225,35 @@ def test_parallel_update_is_deterministic_and_uses_half_the_threads_in_each_of_i
     assert runs[0][0] == runs[1][0] and runs[0][0]["sac/updates"] == 20
     for i in (1, 2):
         assert all(torch.equal(runs[0][i][k], runs[1][i][k]) for k in runs[0][i])
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_bc_coef_pulls_the_actor_to_the_demonstrated_actions(parallel):
+    """sac.bc_coef adds the squared error of the deterministic action on the demonstration rows to the actor's loss
+    (in either update): with it the actor imitates the demonstrations within 60 gradient steps; without it, not."""
+    errors = {}
+    for coef in (0.0, 10.0):
+        cfg = C.load(C.EmbodiedConfig, {"env": {"id": "PickCube-v1"}, "algorithm": {"name": "sac"},
+                                        "policy": {"hidden": [32, 32]}, "actor": {"lr": 3e-3},
+                                        "sac": {"buffer_size": 1000, "demos": FIXTURE, "batch_size": 64,
+                                                "bc_coef": coef, "parallel_update": parallel}})
+        learner = SACLearnerWorker(cfg, spaces.Box(-np.inf, np.inf, (42,), np.float32),
+                                   spaces.Box(-1, 1, (4,), np.float32))
+        g = torch.Generator().manual_seed(0)
+        learner.buffer.add({"obs": torch.randn(100, 42, generator=g), "rewards": torch.zeros(100),
+                            "actions": torch.rand(100, 4, generator=g) * 2 - 1,
+                            "next_obs": torch.randn(100, 42, generator=g),
+                            "terminated": torch.zeros(100, dtype=torch.bool)})
+        learner.env_steps = 1000
+        demo = learner.demos.sample(len(learner.demos))
+
+        def mse():
+            with torch.no_grad():
+                return float((torch.tanh(learner.policy.dist(demo["obs"])[0]) - demo["actions"]).pow(2).sum(-1).mean())
+
+        before = mse()
+        out = learner._updates(0, 60)
+        errors[coef] = (before, mse())
+        assert ("sac/bc_loss" in out) == bool(coef)
+    assert errors[10.0][1] < 0.5 * errors[10.0][0]
+    assert errors[10.0][1] < 0.5 * errors[0.0][1]
