@@ -844,6 +844,8 @@ class SACConfig:
     tau: float = opt(0.005, "Polyak coefficient of the target critics' update")
     train_freq: int = opt(1, "env steps per env between updates: the rollout of one iteration")
     gradient_steps: int = opt(1, "gradient steps per iteration (-1: as many as env steps collected, all envs)")
+    utd: float | None = opt(None, "update-to-data ratio: gradient steps per env step collected (all envs), e.g. 0.5, "
+                                  "or 20 for RLPD's; set, it replaces gradient_steps")
     ent_coef: float | str = opt("auto", "entropy temperature alpha: a number (fixed), 'auto' (tuned, from 1) or "
                                         "'auto_X' (tuned, from X)")
     target_entropy: float | str = opt("auto", "the entropy 'auto' tuning aims at: 'auto' (-action dims) or a number")
@@ -875,6 +877,8 @@ class SACConfig:
         if self.learning_starts < 0 or self.gradient_steps == 0 or self.gradient_steps < -1:
             raise ConfigError(f"{where}: learning_starts must be >= 0 and gradient_steps >= 1 or -1, got "
                               f"{self.learning_starts} and {self.gradient_steps}")
+        if self.utd is not None and not self.utd > 0:
+            raise ConfigError(f"{where}.utd must be > 0 (gradient steps per env step), got {self.utd}")
         if not 0 < self.tau <= 1:
             raise ConfigError(f"{where}.tau must be in (0, 1], got {self.tau}")
         if self.max_policy_lag not in (0, 1):

@@ -95,13 +95,13 @@ class SACLearnerWorker(PublishesWeights, Worker):
     def train(self, inp, step: int, producers: int) -> dict:
         """One iteration: take the `producers` env workers' trajectories on `inp` (key: this rank) into the buffer
         and take the iteration's gradient steps, in the order of sac.max_policy_lag."""
-        lag = self.cfg.sac.max_policy_lag
+        s = self.cfg.sac
         out, start = {}, time.perf_counter()
-        if lag:  # update on what the buffer holds while the env workers collect
-            out = self._updates(step, self.cfg.sac.gradient_steps)
+        if s.max_policy_lag:  # update on what the buffer holds while the env workers collect (a whole iteration's)
+            out = self._updates(step, self._gradient_steps(s.train_freq * self.cfg.env.num_envs))
         added = self._take(inp, producers)
-        if not lag:
-            out = self._updates(step, self.cfg.sac.gradient_steps if self.cfg.sac.gradient_steps > 0 else added)
+        if not s.max_policy_lag:
+            out = self._updates(step, self._gradient_steps(added))
         self.version += 1
         return {**out, "time/update": time.perf_counter() - start, "sac/buffer_size": len(self.buffer),
                 "sac/buffer_mib": self.buffer.nbytes / 2**20, "sac/updates_total": self.updates}
@@ -114,11 +114,16 @@ class SACLearnerWorker(PublishesWeights, Worker):
         self.env_steps += len(batch["rewards"])
         return len(batch["rewards"])
 
+    def _gradient_steps(self, collected: int) -> int:
+        """An iteration's gradient steps for `collected` env steps: sac.utd x collected when set, else
+        sac.gradient_steps (-1: one per env step), so the update-to-data ratio is the same in every plan."""
+        s = self.cfg.sac
+        if s.utd is not None:
+            return round(s.utd * collected)
+        return s.gradient_steps if s.gradient_steps > 0 else collected
+
     def _updates(self, step: int, n: int) -> dict:
-        """n gradient steps (-1 with a lag: as many as the last iteration's env steps), once the buffer holds
-        learning_starts env steps."""
-        if n < 0:
-            n = self.cfg.sac.train_freq * self.cfg.env.num_envs
+        """n gradient steps, once the buffer holds learning_starts env steps."""
         if self.env_steps < max(self.cfg.sac.learning_starts, 1) or not n:
             return {"sac/updates": 0}
         with self.device_phase("train", step), _intra_op_threads(self._threads):

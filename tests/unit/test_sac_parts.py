@@ -15,7 +15,7 @@ from m2flow import config as C
 from m2flow.algorithms import actor_loss, squashed_gaussian_logprob
 from m2flow.workers.policy import make_policy, sample_actions, uniform_actions
 from m2flow.workers.sac_learner import SACLearnerWorker
-from m2flow.workloads.embodied import SquashedGaussianActor, TwinQ
+from m2flow.workloads.embodied import SquashedGaussianActor, Trajectory, TwinQ
 from m2flow.workloads.embodied.bc import demo_transitions
 from m2flow.workloads.embodied.experts import load_demos
 
@@ -90,6 +90,7 @@ def test_sac_needs_a_bounded_box():
     ("sac.max_policy_lag=2", "sac.max_policy_lag must be 0 or 1"),
     ("env.chunk=2", "algorithm.name=sac needs policy.kind=mlp, env.chunk=1"),
     ("sac.bc_coef=1", "sac.bc_coef must be >= 0 and needs sac.demos"),
+    ("sac.utd=0", r"sac.utd must be > 0 \(gradient steps per env step\), got 0"),
 ])
 def test_bad_sac_settings_name_the_field(override, message):
     with pytest.raises(C.ConfigError, match=message):
@@ -257,3 +258,21 @@ def test_bc_coef_pulls_the_actor_to_the_demonstrated_actions(parallel):
         assert ("sac/bc_loss" in out) == bool(coef)
     assert errors[10.0][1] < 0.5 * errors[10.0][0]
     assert errors[10.0][1] < 0.5 * errors[0.0][1]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_utd_sets_the_gradient_steps_per_env_step_in_either_order(lag):
+    """sac.utd replaces gradient_steps: an iteration of 8 envs x 8 steps takes utd x 64 gradient steps, at lag 0 (on
+    the steps just taken in) and at lag 1 (a whole iteration's, taken in after)."""
+    class Channel:
+        def get(self, key):
+            t, n, zeros, flags = 8, 8, torch.zeros(8, 8), torch.zeros(8, 8, dtype=torch.bool)
+            traj = Trajectory(obs=torch.randn(t, n, 3), actions=torch.zeros(t, n, 1), logprobs=zeros, values=zeros,
+                              rewards=zeros, terminated=flags, truncated=flags, final_values=zeros,
+                              next_obs=torch.randn(n, 3), next_values=torch.zeros(n), final_obs=torch.zeros(t, n, 3))
+            return {"env_rank": 0, "traj": traj}
+
+    for utd, want in ((0.5, 32), (2, 128), (None, 64)):
+        extra = [f"sac.utd={utd}"] if utd is not None else []
+        learner = _pendulum_learner(f"sac.max_policy_lag={lag}", "sac.learning_starts=0", *extra)
+        assert learner.train(Channel(), 0, 1)["sac/updates"] == want
