@@ -929,6 +929,11 @@ class EmbodiedConfig:
     sac: SACConfig = section(SACConfig, "off-policy SAC (algorithm.name=sac): replay buffer, update schedule")
     eval: EmbodiedEvalConfig = section(EmbodiedEvalConfig, "evaluation after training")
 
+    @property
+    def steps_per_rollout(self) -> int:
+        """Policy steps per env in one iteration's rollout: sac.train_freq off-policy, rollout.steps on-policy."""
+        return self.sac.train_freq if self.algorithm.name == "sac" else self.rollout.steps
+
     def validate(self, where: str) -> None:
         if self.policy.kind == "cnn" and not self.env.pixels:
             raise ConfigError("policy.kind=cnn needs env.pixels=true (frames as observations)")

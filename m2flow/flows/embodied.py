@@ -71,7 +71,6 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
     # created before the workers, so that its process starts while theirs do (else the first put waits ~0.5 s for it)
     trajectories = Channel.create(f"{run.path.resolve()}:{time.time_ns()}/trajectories")
     sac = cfg.algorithm.name == "sac"
-    steps_per_rollout = cfg.sac.train_freq if sac else cfg.rollout.steps
     try:
         env = EnvWorker.launch(cluster, plan["env"], cfg, run_dir=str(run.path))
         obs_space, action_space = env.on(0).spaces().wait()[0]
@@ -109,7 +108,7 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
                     trace = cfg.run.trace and (step < 2 or (cfg.run.trace_every > 0 and step % cfg.run.trace_every == 0))
                     checked = cfg.rollout.checks_sync(step - start + 1)
                     handles = [
-                        env.call_per_rank("rollout", [(policy_of[r], trajectories, steps_per_rollout, step,
+                        env.call_per_rank("rollout", [(policy_of[r], trajectories, cfg.steps_per_rollout, step,
                                                        actor.world_size, trace) for r in range(env.world_size)]),
                         actor.train(trajectories, step, env.world_size),
                     ]

@@ -108,8 +108,7 @@ def auto_plan_embodied(cfg, cluster: Cluster, run_dir: str | Path) -> tuple[Auto
     sac = cfg.algorithm.name == "sac"  # one learner rank; with sac.max_policy_lag 1, collection overlaps updates
     result = embodied_plans(profile, cluster.num_devices, num_envs, staleness=cfg.sac.max_policy_lag if sac else 0,
                             one_learner=sac)
-    horizon = cfg.sac.train_freq if sac else cfg.rollout.steps
-    _write_search(run_dir, path, result, f"{num_envs} envs x {horizon} steps per iteration",
+    _write_search(run_dir, path, result, f"{num_envs} envs x {cfg.steps_per_rollout} steps per iteration",
                   "the embodied flow can run (one worker of each component per device, equal env stages"
                   + ("; the SAC learner one process over its devices)" if sac else ")"))
     best = result.best

@@ -74,11 +74,6 @@ class SACLearnerProbe(_PolicyProbe, SACLearnerWorker):
         return sum(t.numel() * t.element_size() for t in tensors) + buffers
 
 
-def _horizon(cfg) -> int:
-    """Policy steps per env in one iteration's rollout: sac.train_freq off-policy, rollout.steps on-policy."""
-    return cfg.sac.train_freq if cfg.algorithm.name == "sac" else cfg.rollout.steps
-
-
 def default_batches(num_envs: int) -> list[int]:
     """Envs per profiled rollout: num_envs / S for the env pipeline stages S the planner considers."""
     return sorted({num_envs // s for s in STAGES if num_envs % s == 0})
@@ -101,7 +96,7 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
     sac = cfg.algorithm.name == "sac"
     if sac:  # the learner updates from the first iteration on, so that every timed call takes its gradient steps
         cfg = dataclasses.replace(cfg, sac=dataclasses.replace(cfg.sac, learning_starts=0))
-    num_envs, horizon = cfg.env.num_envs, _horizon(cfg)
+    num_envs, horizon = cfg.env.num_envs, cfg.steps_per_rollout
     batches = sorted(set(batches or default_batches(num_envs)) | {num_envs})
     if any(b < 1 or b > num_envs for b in batches):
         raise ValueError(f"profile: env counts {batches} must lie in 1..env.num_envs={num_envs}")
@@ -193,7 +188,7 @@ def _lockstep_rollouts(cfg, cluster: Cluster, trajectories, work_dir: Path, repe
                                     run_dir=str(work_dir), host_with=env if cohost else None)
         groups.append(policy)
         for i in range(repeats + 1):  # the first warms up
-            out = env.rollout(policy, trajectories, _horizon(cfg), step, 1).wait()[0]
+            out = env.rollout(policy, trajectories, cfg.steps_per_rollout, step, 1).wait()[0]
             trajectories.get(key=0)
             step += 1
             if i:
