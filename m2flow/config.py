@@ -864,8 +864,13 @@ class SACConfig:
     bc_coef: float = opt(0.0, "with sac.demos: adds bc_coef x the squared error of the actor's deterministic action "
                               "to the demonstrated one, on each minibatch's demonstration rows, to the actor's loss "
                               "(as DDPG/TD3 + BC); 0: off")
+    save_buffer: str = opt("latest", "which checkpoints hold the replay buffer: latest (the newest complete one; an "
+                                     "older one's is removed once a newer checkpoint is complete) | all | none (a "
+                                     "resumed run refills an empty buffer, as SB3 without save_replay_buffer)")
 
     def validate(self, where: str) -> None:
+        if self.save_buffer not in ("latest", "all", "none"):
+            raise ConfigError(f"{where}.save_buffer must be latest | all | none, got '{self.save_buffer}'")
         if not 0 < self.demo_fraction < 1:
             raise ConfigError(f"{where}.demo_fraction must be in (0, 1), got {self.demo_fraction}")
         if self.bc_coef < 0 or (self.bc_coef > 0 and not self.demos):

@@ -29,7 +29,7 @@ from m2flow.scheduler.plan import ExecutionPlan, make_plan
 from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
 from m2flow.workers.env import EnvWorker, make_env_group, video_recorder, wait_rollout
 from m2flow.workers.policy import PolicyWorker, make_policy
-from m2flow.workers.sac_learner import SACLearnerWorker
+from m2flow.workers.sac_learner import REPLAY_FILE, SACLearnerWorker
 from m2flow.workers.sync import finish_sync, start_sync, sync_weights
 from m2flow.workloads.embodied import maniskill
 
@@ -185,13 +185,17 @@ def mean_over_ranks(per_rank: list[dict]) -> dict:
 
 
 def save_checkpoint(run: RunDir, cfg, step: int, actor, env, env_steps: int, recent) -> Path:
-    """checkpoints/step_N/: policy + optimizer (actor), normalizer state per env worker, driver state, config."""
+    """checkpoints/step_N/: policy + optimizer (actor), normalizer state per env worker, driver state, config; SAC's
+    replay buffer (in the newest checkpoint only, by default: sac.save_buffer)."""
     def write(tmp: Path) -> None:
         wait_all([actor.on([0]).save_checkpoint(str(tmp)), env.save_state(str(tmp))])
         torch.save({"step": step, "env_steps": env_steps, "recent": list(recent)}, tmp / "driver.pt")
         C.save_yaml(cfg, tmp / "config.yaml")
 
-    return run.save_checkpoint(step, write)
+    saved = run.save_checkpoint(step, write)
+    if cfg.algorithm.name == "sac" and cfg.sac.save_buffer == "latest":  # the newest complete checkpoint holds it now
+        run.remove_from_older_checkpoints(REPLAY_FILE, step)
+    return saved
 
 
 def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | None = None) -> dict:

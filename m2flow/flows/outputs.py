@@ -221,6 +221,14 @@ class RunDir:
         os.replace(tmp, final)
         return final
 
+    def remove_from_older_checkpoints(self, name: str, step: int) -> None:
+        """Remove file `name` from every complete checkpoint before step `step`, once step's is complete: for what
+        only the newest checkpoint needs to hold (SAC's replay buffer, sac.save_buffer=latest)."""
+        for ckpt in (self.path / "checkpoints").glob("step_*"):
+            n = ckpt.name.removeprefix("step_")
+            if n.isdigit() and int(n) < step and (ckpt / "COMPLETE").exists():
+                (ckpt / name).unlink(missing_ok=True)
+
     def latest_checkpoint(self) -> tuple[int, Path] | None:
         """(step, path) of the newest complete checkpoint, or None."""
         return latest_checkpoint(self.path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from m2flow.workloads.embodied import Trajectory, TwinQ
 from m2flow.workloads.embodied.bc import demo_transitions
 from m2flow.workloads.embodied.replay import ReplayBuffer, transitions
 
+REPLAY_FILE = "replay.safetensors"  # in a checkpoint: the online buffer (sac.save_buffer)
 STATS = ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/entropy", "sac/q_mean", "sac/bc_loss")
 
 
@@ -123,8 +125,10 @@ class SACLearnerWorker(PublishesWeights, Worker):
         return s.gradient_steps if s.gradient_steps > 0 else collected
 
     def _updates(self, step: int, n: int) -> dict:
-        """n gradient steps, once the buffer holds learning_starts env steps."""
-        if self.env_steps < max(self.cfg.sac.learning_starts, 1) or not n:
+        """n gradient steps, once learning_starts env steps were collected and the buffer holds as many (it holds
+        fewer after resuming from a checkpoint without it: sac.save_buffer)."""
+        starts = max(self.cfg.sac.learning_starts, 1)
+        if self.env_steps < starts or len(self.buffer) < min(starts, self.buffer.capacity) or not n:
             return {"sac/updates": 0}
         with self.device_phase("train", step), _intra_op_threads(self._threads):
             done = [x for x in (self._update() for _ in range(n)) if x is not None]
@@ -244,7 +248,8 @@ class SACLearnerWorker(PublishesWeights, Worker):
 
     def save_checkpoint(self, directory: str) -> None:
         """policy.safetensors (the actor: what evaluation loads), sac_critic.safetensors (critics, targets, log alpha),
-        replay.safetensors (the buffer and its generator), sac_state.pt (optimizers, generator, counters)."""
+        replay.safetensors (the buffer and its generator; not with sac.save_buffer=none), sac_state.pt (optimizers,
+        generator, counters)."""
         from safetensors.torch import save_file
 
         d = Path(directory)
@@ -253,7 +258,8 @@ class SACLearnerWorker(PublishesWeights, Worker):
                 **{f"target.{k}": v for k, v in self.target.state_dict().items()},
                 "log_alpha": self.log_alpha.detach().clone()}
         save_file({k: v.contiguous() for k, v in nets.items()}, str(d / "sac_critic.safetensors"))
-        save_file(self.buffer.state_dict(), str(d / "replay.safetensors"))
+        if self.cfg.sac.save_buffer != "none":
+            save_file(self.buffer.state_dict(), str(d / REPLAY_FILE))
         if self.demos is not None:  # its rows are the dataset's; its generator is what a resume needs
             save_file({"gen": self.demos.gen.get_state()}, str(d / "replay_demos.safetensors"))
         torch.save({"actor_opt": self.actor_opt.state_dict(), "critic_opt": self.critic_opt.state_dict(),
@@ -271,7 +277,12 @@ class SACLearnerWorker(PublishesWeights, Worker):
         self.target.load_state_dict({k[7:]: v for k, v in nets.items() if k.startswith("target.")})
         with torch.no_grad():
             self.log_alpha.copy_(nets["log_alpha"])
-        self.buffer.load_state_dict(load_file(str(d / "replay.safetensors")))
+        if (d / REPLAY_FILE).exists():
+            self.buffer.load_state_dict(load_file(str(d / REPLAY_FILE)))
+        else:  # sac.save_buffer=none, or an older checkpoint under save_buffer=latest: refilled from here on
+            print(f"m2flow: {d} holds no replay buffer ({REPLAY_FILE}; sac.save_buffer={self.cfg.sac.save_buffer}): "
+                  f"the learner starts from an empty buffer and waits for sac.learning_starts env steps again",
+                  file=sys.stderr, flush=True)
         if self.demos is not None and (d / "replay_demos.safetensors").exists():
             self.demos.gen.set_state(load_file(str(d / "replay_demos.safetensors"))["gen"])
         s = load_plain(d / "sac_state.pt")

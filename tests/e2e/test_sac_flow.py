@@ -134,3 +134,23 @@ def test_a_resumed_sac_run_equals_an_uninterrupted_one(cluster, tmp_path):
     for name in ("policy", "sac_critic"):
         wa, wb = (load_file(f"{r['checkpoint']}/{name}.safetensors") for r in (whole, parts))
         assert all(torch.equal(wa[k], wb[k]) for k in wa), name
+    # sac.save_buffer=latest (the default): once step 6's checkpoint is complete, step 3's gives its buffer up
+    assert not (ckpt / "replay.safetensors").exists() and (ckpt / "policy.safetensors").exists()
+    assert (tmp_path / "parts" / "checkpoints" / "step_6" / "replay.safetensors").exists()
+
+
+def test_sac_save_buffer_all_keeps_every_buffer_and_none_resumes_on_an_empty_one(cluster, tmp_path, capfd):
+    """sac.save_buffer=all: every checkpoint holds its buffer. none: no checkpoint does, and a resumed run says so,
+    refills the buffer and waits sac.learning_starts env steps again before it updates."""
+    common = ["policy.hidden=[32,32]", "sac.learning_starts=100", "eval.episodes=0", "run.save_every=2",
+              "env.num_envs=4", "sac.train_freq=16"]
+    train(cfg_for(tmp_path, "all", "run.steps=4", "sac.save_buffer=all", *common), cluster)
+    assert all((tmp_path / "all" / "checkpoints" / f"step_{n}" / "replay.safetensors").exists() for n in (2, 4))
+    train(cfg_for(tmp_path, "none", "run.steps=2", "sac.save_buffer=none", *common), cluster)
+    assert not list((tmp_path / "none").rglob("replay.safetensors"))
+    capfd.readouterr()
+    resumed = rows(train(cfg_for(tmp_path, "none", "run.steps=4", "run.resume=true", "sac.save_buffer=none",
+                                 *common), cluster))
+    assert "holds no replay buffer" in capfd.readouterr().err
+    assert [r["sac/updates"] for r in resumed] == [0, 64, 0, 64]  # 64 env steps an iteration: 100 after 2 of them
+    assert [r["sac/buffer_size"] for r in resumed] == [64, 128, 64, 128]

@@ -91,6 +91,7 @@ def test_sac_needs_a_bounded_box():
     ("env.chunk=2", "algorithm.name=sac needs policy.kind=mlp, env.chunk=1"),
     ("sac.bc_coef=1", "sac.bc_coef must be >= 0 and needs sac.demos"),
     ("sac.utd=0", r"sac.utd must be > 0 \(gradient steps per env step\), got 0"),
+    ("sac.save_buffer=some", "sac.save_buffer must be latest | all | none, got 'some'"),
 ])
 def test_bad_sac_settings_name_the_field(override, message):
     with pytest.raises(C.ConfigError, match=message):
@@ -146,7 +147,7 @@ def test_rlpd_minibatches_draw_their_demo_fraction_from_the_demonstrations():
 @pytest.mark.parametrize("mode", ["stop", "skip"])
 def test_a_non_finite_critic_loss_stops_or_is_dropped_before_anything_steps(mode, parallel):
     cfg = C.load(C.EmbodiedConfig, "sac_pendulum", ["policy.hidden=[8]", "sac.buffer_size=100", "sac.batch_size=4",
-                                                    f"actor.nonfinite={mode}", f"sac.parallel_update={parallel}"])
+                                                    "sac.learning_starts=8", f"actor.nonfinite={mode}", f"sac.parallel_update={parallel}"])
     learner = SACLearnerWorker(cfg, spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-2, 2, (1,), np.float32))
     learner.buffer.add({"obs": torch.zeros(8, 3), "actions": torch.zeros(8, 1), "rewards": torch.full((8,), np.nan),
                         "next_obs": torch.zeros(8, 3), "terminated": torch.zeros(8, dtype=torch.bool)})
