@@ -80,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from m2flow.config import ConfigError, UserError
-    from m2flow.runtime import interrupts
     from m2flow.runtime.group import WorkerError
 
     # The driver's own compute (SFT, eval) is on tiny models: one thread avoids OpenMP spin contention with
@@ -88,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     debug = args.debug or os.environ.get("M2FLOW_DEBUG", "") not in ("", "0")
 
-    interrupts.install()  # a Ctrl-C that Ray's waits drop is raised again at the flow's next step
     try:
         return COMMANDS[args.command](args)
     except UserError as err:  # config fields, run directories: one line naming what to change
@@ -106,8 +104,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print("m2flow: interrupted" + (RESUME_HINT if args.command == "train" else ""), file=sys.stderr)
         return 130
-    finally:
-        interrupts.uninstall()
 
 
 RESUME_HINT = ("; the run's workers are stopped and its checkpoints kept: run the same command with run.resume=true "

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Callable
 
 from m2flow import config as C
-from m2flow.runtime import interrupts
 from m2flow.runtime.tracer import busy_seconds
 
 
@@ -130,9 +129,7 @@ class RunDir:
                            f"free some space, then run the same command with run.resume=true")
 
     def log(self, step: int, metrics: dict) -> None:
-        """Append one line to metrics.jsonl and the finite scalars to TensorBoard (a full disk: a UserError). Every
-        flow logs once per step: a Ctrl-C that got lost inside Ray's waits is raised here (runtime.interrupts)."""
-        interrupts.raise_if_interrupted()
+        """Append one line to metrics.jsonl and the finite scalars to TensorBoard (a full disk: a UserError)."""
         try:
             self._log(step, metrics)
         except OSError as err:
