@@ -204,8 +204,11 @@ def cli_run(tmp_path, *overrides) -> list[str]:
 def stopped_driver(tmp_path, sig) -> tuple[subprocess.CompletedProcess, list]:
     """Start `m2flow train` (its own local Ray), send `sig` to it once its checkpoint of step 4 is complete; returns
     the finished process and the processes it had started (Ray's and the workers), each with its title then."""
+    # Ctrl-C as a terminal sends it: to a driver that handles it. A test run started in the background by a
+    # non-interactive shell (`cmd &`) inherits SIGINT ignored, and the driver would too: it then ran all 400 steps and
+    # exited 0 (seen once in a local CI run), so the child gets SIGINT's default back before it starts Python.
     proc = subprocess.Popen(cli_run(tmp_path, "run.steps=400"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     marker = tmp_path / "r" / "checkpoints" / "step_4" / "COMPLETE"
     deadline = time.monotonic() + 180
     while not marker.exists():
