@@ -864,6 +864,9 @@ class SACConfig:
     bc_coef: float = opt(0.0, "with sac.demos: adds bc_coef x the squared error of the actor's deterministic action "
                               "to the demonstrated one, on each minibatch's demonstration rows, to the actor's loss "
                               "(as DDPG/TD3 + BC); 0: off")
+    critic_layernorm: bool = opt(False, "a LayerNorm after every hidden layer of the critics (RLPD's critic: "
+                                        "bounded features keep Q from running away at high update-to-data ratios "
+                                        "and with demonstrations)")
     save_buffer: str = opt("latest", "which checkpoints hold the replay buffer: latest (the newest complete one; an "
                                      "older one's is removed once a newer checkpoint is complete) | all | none (a "
                                      "resumed run refills an empty buffer, as SB3 without save_replay_buffer)")

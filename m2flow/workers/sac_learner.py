@@ -67,7 +67,8 @@ class SACLearnerWorker(PublishesWeights, Worker):
         dims = math.prod(self.policy.act_shape)
         with torch.random.fork_rng():
             torch.manual_seed(cfg.run.seed + 1)
-            self.critic = TwinQ(self.policy.obs_dim, dims, tuple(cfg.policy.hidden), cfg.policy.activation)
+            self.critic = TwinQ(self.policy.obs_dim, dims, tuple(cfg.policy.hidden), cfg.policy.activation,
+                                layernorm=s.critic_layernorm)
         self.target = copy.deepcopy(self.critic).requires_grad_(False)
         alpha, self.tuned = s.alpha_init()
         self.log_alpha = torch.tensor(math.log(alpha), requires_grad=self.tuned)

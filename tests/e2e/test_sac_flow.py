@@ -154,3 +154,17 @@ def test_sac_save_buffer_all_keeps_every_buffer_and_none_resumes_on_an_empty_one
     assert "holds no replay buffer" in capfd.readouterr().err
     assert [r["sac/updates"] for r in resumed] == [0, 64, 0, 64]  # 64 env steps an iteration: 100 after 2 of them
     assert [r["sac/buffer_size"] for r in resumed] == [64, 128, 64, 128]
+
+
+def test_sac_critic_layernorm_runs_through_the_flow_and_changes_the_critics(cluster, tmp_path):
+    """sac.critic_layernorm from the config: the checkpoint's critics and targets hold a LayerNorm per hidden layer,
+    and the critics' losses differ from the same run without it (same seed)."""
+    common = ["policy.hidden=[32,32]", "run.steps=3", "sac.learning_starts=64", "eval.episodes=0"]
+    plain = rows(train(cfg_for(tmp_path, "plain", *common), cluster))
+    normed = train(cfg_for(tmp_path, "normed", "sac.critic_layernorm=true", *common), cluster)
+    nets = load_file(f"{normed['checkpoint']}/sac_critic.safetensors")
+    for net in ("critic", "target"):
+        for q in ("q1", "q2"):
+            assert nets[f"{net}.{q}.0.1.weight"].shape == nets[f"{net}.{q}.0.4.weight"].shape == (32,)
+    losses = [r["sac/critic_loss"] for r in rows(normed)][1:]
+    assert all(x == x for x in losses) and losses != [r["sac/critic_loss"] for r in plain][1:]

@@ -74,6 +74,24 @@ def test_twin_critics_are_two_networks():
     assert q1.shape == q2.shape == (5,) and not torch.equal(q.q1[1].weight, q.q2[1].weight)
 
 
+def test_critic_layernorm_bounds_q_whatever_the_inputs_scale():
+    """sac.critic_layernorm: each hidden layer is normalized, so |Q| stays under the output layer's |w|_1 + |b| for
+    inputs a million times too large, where the plain critics' Q grows with them; the flag reaches the learner."""
+    torch.manual_seed(0)
+    plain, normed = TwinQ(3, 2, hidden=(16, 16)), TwinQ(3, 2, hidden=(16, 16), layernorm=True)
+    assert sum(isinstance(m, torch.nn.LayerNorm) for m in normed.modules()) == 4  # 2 hidden layers x 2 critics
+    obs, act = torch.randn(64, 3) * 1e6, torch.rand(64, 2) * 2 - 1
+    for q, head in zip(normed(obs, act), (normed.q1[-1], normed.q2[-1])):
+        bound = head.weight.abs().sum() * 16 ** 0.5 + head.bias.abs()  # LayerNorm'd ReLU features: |f|_2 <= sqrt(16)
+        assert q.abs().max() <= bound
+    assert max(q.abs().max() for q in plain(obs, act)) > 1e4
+    cfg = C.load(C.EmbodiedConfig, "sac_pendulum", ["policy.hidden=[8]", "sac.critic_layernorm=true"])
+    learner = SACLearnerWorker(cfg, spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-2, 2, (1,), np.float32))
+    assert [type(m).__name__ for m in learner.target.q1] == ["Sequential", "Linear"]
+    assert isinstance(learner.target.q1[0][1], torch.nn.LayerNorm) and isinstance(learner.critic.q2[0][1],
+                                                                                   torch.nn.LayerNorm)
+
+
 def test_sac_needs_a_bounded_box():
     with pytest.raises(ValueError, match="bounded Box"):
         SquashedGaussianActor(3, spaces.Discrete(2))

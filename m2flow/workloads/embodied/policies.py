@@ -132,12 +132,14 @@ class ActorCritic(nn.Module):
         return self.critic_head.weight.device
 
 
-def _mlp(in_dim: int, hidden: tuple[int, ...], activation: type[nn.Module], ortho: bool = True) -> nn.Sequential:
-    """Linear + activation layers: orthogonal init (gain sqrt 2), or torch's default (`ortho=False`: SB3's
-    off-policy networks)."""
+def _mlp(in_dim: int, hidden: tuple[int, ...], activation: type[nn.Module], ortho: bool = True,
+         layernorm: bool = False) -> nn.Sequential:
+    """Linear (+ LayerNorm) + activation layers: orthogonal init (gain sqrt 2), or torch's default (`ortho=False`:
+    SB3's off-policy networks)."""
     layers, d = [], in_dim
     for h in hidden:
-        layers += [_linear(d, h, gain=math.sqrt(2)) if ortho else nn.Linear(d, h), activation()]
+        layers += [_linear(d, h, gain=math.sqrt(2)) if ortho else nn.Linear(d, h),
+                   *([nn.LayerNorm(h)] if layernorm else []), activation()]
         d = h
     return nn.Sequential(*layers)
 
@@ -300,14 +302,16 @@ class SquashedGaussianActor(nn.Module):
 
 
 class TwinQ(nn.Module):
-    """SAC's two critics Q1, Q2(obs, action in [-1, 1]), separate MLPs on [obs; action]."""
+    """SAC's two critics Q1, Q2(obs, action in [-1, 1]), separate MLPs on [obs; action]; `layernorm`: a LayerNorm
+    after every hidden layer (RLPD's critics: the features stay bounded, so Q cannot run away with its inputs)."""
 
-    def __init__(self, obs_dim: int, act_dim: int, hidden: tuple[int, ...] = (256, 256), activation: str = "relu"):
+    def __init__(self, obs_dim: int, act_dim: int, hidden: tuple[int, ...] = (256, 256), activation: str = "relu",
+                 layernorm: bool = False):
         super().__init__()
         act = ACTIVATIONS[activation]
         width = hidden[-1] if hidden else obs_dim + act_dim
-        self.q1 = nn.Sequential(_mlp(obs_dim + act_dim, tuple(hidden), act, ortho=False), nn.Linear(width, 1))
-        self.q2 = nn.Sequential(_mlp(obs_dim + act_dim, tuple(hidden), act, ortho=False), nn.Linear(width, 1))
+        self.q1, self.q2 = (nn.Sequential(_mlp(obs_dim + act_dim, tuple(hidden), act, ortho=False, layernorm=layernorm),
+                                          nn.Linear(width, 1)) for _ in range(2))
 
     def forward(self, obs: torch.Tensor, unit_actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.cat([obs.float().flatten(1), unit_actions], dim=1)
