@@ -1,6 +1,6 @@
 """The manipulation table: per task, behaviour cloning from a few expert demonstrations, then PPO and embodied GRPO
-from that clone, each scored by the same deterministic evaluation (`eval.episodes` held-out seeds, the same seeds
-for all three). Runs the CLI a user would (`m2flow demos`, `m2flow sft`, `m2flow train`) and prints every command,
+from that clone, and RLPD-style SAC with those demonstrations in its minibatches (no clone), each scored by the same
+deterministic evaluation (`eval.episodes` held-out seeds, the same seeds for all four). Runs the CLI a user would (`m2flow demos`, `m2flow sft`, `m2flow train`) and prints every command,
 so a row is reproduced by pasting them. Asserts nothing.
 
 Per task it writes OUT/<task>/row.json: the three success rates, env steps, wall time and env steps/s of each RL
@@ -10,10 +10,11 @@ table of every row.json under OUT as markdown.
 
     python benchmarks/manipulation.py --tasks metaworld/push-v3                  # one row, ~10 minutes
     python benchmarks/manipulation.py --tasks PushCube-v1 --ppo 'run.steps=40'   # extra overrides per RL run
+    python benchmarks/manipulation.py --tasks PushCube-v1 --algos rlpd            # the RLPD column only
     python benchmarks/manipulation.py --summarize
 
-The recipes (RECIPES below) are the ones measured in the README; `--demo-episodes`, `--ppo` and `--grpo` add to or
-override them.
+The recipes (RECIPES below) are the ones measured in the README; `--demo-episodes`, `--ppo`, `--grpo` and `--rlpd`
+add to or override them.
 """
 
 from __future__ import annotations
@@ -34,8 +35,16 @@ from pathlib import Path
 _BESIDE = Path(sys.executable).with_name("m2flow")
 M2FLOW = str(_BESIDE) if _BESIDE.exists() else shutil.which("m2flow") or "m2flow"
 
-# task -> preset, demonstrations recorded, demonstrations cloned (few: room for RL), `m2flow sft`'s options, PPO's and
-# GRPO's overrides. PickCube's PPO learns from ManiSkill's sparse reward (success): on the dense one it fell to 10%.
+# RLPD-style SAC from the same demonstrations as the clone, with no clone: they fill half of every minibatch, and the
+# actor's loss gains a behaviour-cloning term on them (sac.bc_coef). ManiSkill's sparse reward (success), gamma 0.9.
+RLPD = ("algorithm.name=sac policy.hidden=[256,256] policy.activation=relu env.num_envs=8 env.kwargs.reward_mode=sparse "
+        "algorithm.gamma=0.9 sac.train_freq=8 sac.gradient_steps=-1 sac.learning_starts=0 sac.max_policy_lag=1 "
+        "sac.ent_coef=auto_0.01 sac.bc_coef=1 run.save_every=50")
+ALGOS = ("ppo", "grpo", "rlpd")
+
+# task -> preset, demonstrations recorded, demonstrations cloned (few: room for RL), `m2flow sft`'s options, PPO's,
+# GRPO's and RLPD's overrides. PickCube's PPO learns from ManiSkill's sparse reward (success): on the dense one it fell
+# to 10%.
 RECIPES = {
     "metaworld/push-v3": dict(
         preset="ppo_metaworld", demos=20, clone=3, sft="--steps 1000",
@@ -48,7 +57,8 @@ RECIPES = {
             "actor.lr=1e-4 actor.critic_warmup=3 actor.minibatch_size=400 algorithm.target_kl=0.05 run.steps=30",
         grpo="env.kwargs.ignore_terminations=true rollout.steps=100 env.num_envs=16 policy.init_std_scale=0.5 "
              "algorithm.name=grpo env.seed_groups=4 algorithm.vf_coef=0 actor.lr=1e-4 actor.minibatch_size=400 "
-             "algorithm.target_kl=0.05 run.steps=30"),
+             "algorithm.target_kl=0.05 run.steps=30",
+        rlpd=f"{RLPD} run.steps=300"),
     "PickCube-v1": dict(
         preset="ppo_pickcube", demos=100, clone=100,
         ppo="env.kwargs.ignore_terminations=true env.kwargs.reward_mode=sparse algorithm.gamma=0.99 "
@@ -57,7 +67,8 @@ RECIPES = {
             "algorithm.target_kl=0.02 actor.critic_warmup=3 run.steps=25",
         grpo="env.kwargs.ignore_terminations=true rollout.steps=100 env.num_envs=64 policy.init_std_scale=0.25 "
              "cluster.placement='env,rollout,actor: 0-1' algorithm.name=grpo env.seed_groups=8 algorithm.vf_coef=0 "
-             "actor.lr=3e-5 actor.epochs=4 actor.minibatch_size=1600 algorithm.target_kl=0.02 run.steps=20"),
+             "actor.lr=3e-5 actor.epochs=4 actor.minibatch_size=1600 algorithm.target_kl=0.02 run.steps=20",
+        rlpd=f"{RLPD} run.steps=400"),
 }
 
 
@@ -127,10 +138,17 @@ def run_task(task: str, args) -> dict:
         *shlex.split(recipe.get("sft", "")), *common], out / "bc.log")
     row = {"task": task, "preset": preset, "demo_episodes": clone,
            "bc": {"success": json.loads((bc / "eval.json").read_text())["success_rate"]}, "commands": {}}
-    for name in ("ppo", "grpo"):
+    if (out / "row.json").exists():  # a row run before with the same demonstrations keeps its other columns
+        before = json.loads((out / "row.json").read_text())
+        if before.get("demo_episodes") == clone:
+            row["commands"] = before.get("commands", {})
+            row.update({k: before[k] for k in ALGOS if k in before})
+    for name in args.algos.split(","):
         overrides = shlex.split(recipe.get(name, "")) + shlex.split(getattr(args, name))
-        cmd = [M2FLOW, "train", preset, *common, f"policy.init={bc}", f"run.dir={out}", f"run.name={name}",
-               "run.overwrite=true", *overrides]
+        # PPO and GRPO start from the clone; RLPD from scratch, with the clone's demonstrations in its minibatches
+        start = [f"sac.demos={demos}", f"sac.demo_episodes={clone}"] if name == "rlpd" else [f"policy.init={bc}"]
+        cmd = [M2FLOW, "train", preset, *common, *start, f"run.dir={out}", f"run.name={name}", "run.overwrite=true",
+               *overrides]
         with LoadSampler() as load:
             seconds = sh(cmd, out / f"{name}.log")
         row[name] = {**rl_figures(out / name), "wall_s": round(seconds), "load": load.summary()}
@@ -140,13 +158,16 @@ def run_task(task: str, args) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| task | demos cloned | BC | + PPO | + GRPO | PPO env steps (s, steps/s, load) | GRPO env steps "
-             "(s, steps/s, load) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    names = {"ppo": "PPO", "grpo": "GRPO", "rlpd": "RLPD"}
+    lines = ["| task | demos | BC | " + " | ".join(f"+ {n}" for n in names.values()) + " | "
+             + " | ".join(f"{n} env steps (s, steps/s, load)" for n in names.values()) + " |",
+             "| --- " * (3 + 2 * len(names)) + "|"]
     for r in rows:
-        cells = [f"{r[k]['env_steps']:,} ({r[k]['wall_s']} s, {r[k]['env_steps_per_s']:.0f}/s, "
-                 f"load {r[k]['load']})" for k in ("ppo", "grpo")]
-        lines.append(f"| {r['task']} | {r['demo_episodes']} | {r['bc']['success']:.0%} | {r['ppo']['success']:.0%} "
-                     f"| {r['grpo']['success']:.0%} | {cells[0]} | {cells[1]} |")
+        success = [f"{r[k]['success']:.0%}" if k in r else "–" for k in names]
+        cells = [f"{r[k]['env_steps']:,} ({r[k]['wall_s']} s, {r[k]['env_steps_per_s']:.0f}/s, load {r[k]['load']})"
+                 if k in r else "–" for k in names]
+        lines.append(f"| {r['task']} | {r['demo_episodes']} | {r['bc']['success']:.0%} | {' | '.join(success)} | "
+                     f"{' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -159,8 +180,12 @@ def main() -> None:
     p.add_argument("--preset", default=None, help="the preset of a task without a recipe")
     p.add_argument("--ppo", default="", help="overrides added to PPO's")
     p.add_argument("--grpo", default="", help="overrides added to GRPO's")
+    p.add_argument("--rlpd", default="", help="overrides added to RLPD's")
+    p.add_argument("--algos", default=",".join(ALGOS), help=f"the RL runs of a row, from {', '.join(ALGOS)}")
     p.add_argument("--summarize", action="store_true", help="print the table of the rows under --out")
     args = p.parse_args()
+    if unknown := set(args.algos.split(",")) - set(ALGOS):
+        p.error(f"--algos: {', '.join(sorted(unknown))} is not one of {', '.join(ALGOS)}")
     if args.summarize:
         rows = [json.loads(f.read_text()) for f in sorted(Path(args.out).glob("*/row.json"))]
         if not rows:
