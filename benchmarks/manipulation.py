@@ -58,7 +58,7 @@ RECIPES = {
         grpo="env.kwargs.ignore_terminations=true rollout.steps=100 env.num_envs=16 policy.init_std_scale=0.5 "
              "algorithm.name=grpo env.seed_groups=4 algorithm.vf_coef=0 actor.lr=1e-4 actor.minibatch_size=400 "
              "algorithm.target_kl=0.05 run.steps=30",
-        rlpd=f"{RLPD} run.steps=300"),
+        rlpd=f"{RLPD} run.steps=400"),
     "PickCube-v1": dict(
         preset="ppo_pickcube", demos=100, clone=100,
         ppo="env.kwargs.ignore_terminations=true env.kwargs.reward_mode=sparse algorithm.gamma=0.99 "
