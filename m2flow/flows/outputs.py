@@ -221,9 +221,8 @@ class RunDir:
     def remove_from_older_checkpoints(self, name: str, step: int) -> None:
         """Remove file `name` from every complete checkpoint before step `step`, once step's is complete: for what
         only the newest checkpoint needs to hold (SAC's replay buffer, sac.save_buffer=latest)."""
-        for ckpt in (self.path / "checkpoints").glob("step_*"):
-            n = ckpt.name.removeprefix("step_")
-            if n.isdigit() and int(n) < step and (ckpt / "COMPLETE").exists():
+        for n, ckpt in complete_checkpoints(self.path):
+            if n < step:
                 (ckpt / name).unlink(missing_ok=True)
 
     def latest_checkpoint(self) -> tuple[int, Path] | None:
@@ -240,12 +239,15 @@ class RunDir:
             self._tb = None
 
 
+def complete_checkpoints(run_path: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under `run_path`/checkpoints (a step_N folder holding COMPLETE)."""
+    return [(int(p.name[5:]), p) for p in (Path(run_path) / "checkpoints").glob("step_*")
+            if p.is_dir() and p.name[5:].isdigit() and (p / "COMPLETE").exists()]
+
+
 def latest_checkpoint(run_path: str | Path) -> tuple[int, Path] | None:
     """(step, path) of the newest complete checkpoint under `run_path`/checkpoints, or None."""
-    found = []
-    for p in (Path(run_path) / "checkpoints").glob("step_*"):
-        if p.is_dir() and (p / "COMPLETE").exists() and p.name[5:].isdigit():
-            found.append((int(p.name[5:]), p))
+    found = complete_checkpoints(run_path)
     return max(found) if found else None
 
 
