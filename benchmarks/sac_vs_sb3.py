@@ -6,6 +6,7 @@ env steps/s, and the mean return of 10 deterministic episodes at the end. Assert
     python benchmarks/sac_vs_sb3.py --steps 100000 --seeds 0,1,2                   # hours on 2 cores: background it
     python benchmarks/sac_vs_sb3.py --steps 10000 --seeds 0 --set sac.learning_starts=1000   # a short look
     python benchmarks/sac_vs_sb3.py --update-only                                  # per gradient step, 1 and 2 threads
+    python benchmarks/sac_vs_sb3.py --update-only --critics twin,layernorm,rlpd    # the critics' variants, too
     python benchmarks/sac_vs_sb3.py --summarize
 
 Plans: `lockstep` (env, policy and learner in one process on device 0, `sac.max_policy_lag=0`: SB3's order, one
@@ -87,9 +88,14 @@ def m2flow_run(steps: int, seed: int, plan: str, out: Path) -> dict:
             "return_mean": evaluation["return_mean"], "return_std": evaluation["return_std"]}
 
 
-def update_only(threads: int, rounds: int = 5, n: int = 64) -> str:
+CRITICS = {"twin": [], "layernorm": ["sac.critic_layernorm=true"],  # --update-only --critics: m2flow's variants
+           "rlpd": ["sac.critic_layernorm=true", "sac.n_critics=10", "sac.min_qs=2", "sac.actor_q=mean"]}
+
+
+def update_only(threads: int, rounds: int = 5, n: int = 64, critics: tuple[str, ...] = ("twin",)) -> str:
     """Per gradient step on the same kind of data (20k random transitions in each library's buffer): m2flow's
-    `SACLearnerWorker._update` against SB3's `SAC.train`, interleaved, `rounds` rounds of `n` steps, medians."""
+    `SACLearnerWorker._update` (each of `critics`' variants; twin also with sac.parallel_update) against SB3's
+    `SAC.train`, interleaved, `rounds` rounds of `n` steps, medians."""
     import gymnasium as gym
     import numpy as np
     import torch
@@ -107,7 +113,10 @@ def update_only(threads: int, rounds: int = 5, n: int = 64) -> str:
     data = {"obs": torch.randn(size, *obs), "actions": torch.rand(size, *act) * 2 - 1, "rewards": torch.randn(size),
             "next_obs": torch.randn(size, *obs), "terminated": torch.zeros(size, dtype=torch.bool)}
     learners = {}
-    for name, extra in (("m2flow", []), ("m2flow parallel", ["sac.parallel_update=true"])):
+    variants = [(f"m2flow {c}" if c != "twin" else "m2flow", CRITICS[c]) for c in critics]
+    if "twin" in critics:
+        variants.append(("m2flow parallel", ["sac.parallel_update=true"]))
+    for name, extra in variants:
         if name == "m2flow parallel" and threads < 2:
             continue  # two threads of one core each: nothing to run them on
         its = C.load(C.EmbodiedConfig, PRESET, ["sac.buffer_size=100000", *SETTINGS, *extra])
@@ -166,6 +175,7 @@ def main() -> None:
     p.add_argument("--set", default="", help="overrides of the preset for both libraries, space-separated")
     p.add_argument("--summarize", action="store_true", help="print the table of the results under --out")
     p.add_argument("--update-only", action="store_true", help="per gradient step, m2flow against SB3, interleaved")
+    p.add_argument("--critics", default="twin", help=f"with --update-only: m2flow's critics, of {', '.join(CRITICS)}")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -175,8 +185,10 @@ def main() -> None:
     if args.one:
         return one(args)
     if args.update_only:
+        if set(args.critics.split(",")) - set(CRITICS):
+            p.error(f"--critics takes a comma-separated list of {', '.join(CRITICS)}, got '{args.critics}'")
         for threads in (1, 2):
-            print(update_only(threads), flush=True)
+            print(update_only(threads, critics=tuple(args.critics.split(","))), flush=True)
         return
     if not args.summarize:
         for seed in (int(s) for s in args.seeds.split(",")):

@@ -867,6 +867,11 @@ class SACConfig:
     critic_layernorm: bool = opt(False, "a LayerNorm after every hidden layer of the critics (RLPD's critic: "
                                         "bounded features keep Q from running away at high update-to-data ratios "
                                         "and with demonstrations)")
+    n_critics: int = opt(2, "critics (SB3's n_critics; RLPD's ensemble has 10)")
+    min_qs: int | None = opt(None, "the TD target takes the min over a random subset of this many target critics, "
+                                   "drawn every gradient step (RLPD's num_min_qs, REDQ's M; 2 of 10); None: all "
+                                   "of them (SB3)")
+    actor_q: str = opt("min", "the actor's loss scores its actions with the critics' min (SB3) or mean (REDQ, RLPD)")
     save_buffer: str = opt("latest", "which checkpoints hold the replay buffer: latest (the newest complete one; an "
                                      "older one's is removed once a newer checkpoint is complete) | all | none (a "
                                      "resumed run refills an empty buffer, as SB3 without save_replay_buffer)")
@@ -874,6 +879,11 @@ class SACConfig:
     def validate(self, where: str) -> None:
         if self.save_buffer not in ("latest", "all", "none"):
             raise ConfigError(f"{where}.save_buffer must be latest | all | none, got '{self.save_buffer}'")
+        if self.actor_q not in ("min", "mean"):
+            raise ConfigError(f"{where}.actor_q must be min | mean, got '{self.actor_q}'")
+        if self.n_critics < 1 or (self.min_qs is not None and not 1 <= self.min_qs <= self.n_critics):
+            raise ConfigError(f"{where}: n_critics must be >= 1 and min_qs null or in [1, n_critics], got "
+                              f"{self.n_critics} and {self.min_qs}")
         if not 0 < self.demo_fraction < 1:
             raise ConfigError(f"{where}.demo_fraction must be in (0, 1), got {self.demo_fraction}")
         if self.bc_coef < 0 or (self.bc_coef > 0 and not self.demos):

@@ -1,6 +1,6 @@
 """Soft actor-critic (Haarnoja et al. 2018, as Stable-Baselines3's SAC computes it): the squashed Gaussian's
-log-probability, the twin-critic soft Bellman loss, the actor's and the entropy temperature's losses, Polyak
-averaging. Pure tensor functions."""
+log-probability, the critics' soft Bellman loss (twin critics, or an ensemble as REDQ and RLPD), the actor's and the
+entropy temperature's losses, Polyak averaging. Pure tensor functions."""
 
 from __future__ import annotations
 
@@ -22,25 +22,27 @@ def squashed_gaussian_logprob(u: torch.Tensor, mean: torch.Tensor, log_std: torc
     return gaussian - (2.0 * (_LOG_2 - u - F.softplus(-2.0 * u))).sum(-1)
 
 
-def soft_td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q1: torch.Tensor, next_q2: torch.Tensor,
-                   next_logp: torch.Tensor, alpha: torch.Tensor | float, gamma: float) -> torch.Tensor:
-    """y = r + gamma (1 - terminated) (min(Q1', Q2')(s', a') - alpha log pi(a' | s')), a' ~ pi(s'), the target
-    networks' Q: the soft Bellman target [B]. A truncated step (time limit) is not terminated: it bootstraps from
-    its final obs. No gradient flows through it."""
+def soft_td_target(rewards: torch.Tensor, terminated: torch.Tensor, next_q: torch.Tensor, next_logp: torch.Tensor,
+                   alpha: torch.Tensor | float, gamma: float) -> torch.Tensor:
+    """y = r + gamma (1 - terminated) (min_i Q_i'(s', a') - alpha log pi(a' | s')), a' ~ pi(s'), next_q [N, B] the
+    target critics' Q (all N of them, as SB3; or a random subset, as REDQ and RLPD): the soft Bellman target [B]. A
+    truncated step (time limit) is not terminated: it bootstraps from its final obs. No gradient flows through it."""
     with torch.no_grad():
-        soft = torch.minimum(next_q1, next_q2) - alpha * next_logp
+        soft = next_q.min(0).values - alpha * next_logp
         return rewards + gamma * (1.0 - terminated.float()) * soft
 
 
-def critic_loss(q1: torch.Tensor, q2: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Both critics' regression on the soft target: 0.5 (MSE(Q1, y) + MSE(Q2, y)), as SB3."""
-    return 0.5 * (F.mse_loss(q1, target) + F.mse_loss(q2, target))
+def critic_loss(q: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Every critic's regression on the soft target, q [N, B]: 0.5 sum_i MSE(Q_i, y), as SB3."""
+    return 0.5 * (q - target).pow(2).mean(1).sum()
 
 
-def actor_loss(logp: torch.Tensor, q1: torch.Tensor, q2: torch.Tensor, alpha: torch.Tensor | float) -> torch.Tensor:
-    """mean(alpha log pi(a | s) - min(Q1, Q2)(s, a)) for a ~ pi(s) reparameterized: the critics score the actor's own
-    actions (their parameters get gradients here that the caller does not step)."""
-    return (alpha * logp - torch.minimum(q1, q2)).mean()
+def actor_loss(logp: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor | float, reduce: str = "min") -> torch.Tensor:
+    """mean(alpha log pi(a | s) - Q(s, a)) for a ~ pi(s) reparameterized, Q the critics' min (SB3) or mean (REDQ,
+    RLPD) over q [N, B]: the critics score the actor's own actions (their parameters get gradients here that the
+    caller does not step)."""
+    score = q.min(0).values if reduce == "min" else q.mean(0)
+    return (alpha * logp - score).mean()
 
 
 def temperature_loss(log_alpha: torch.Tensor, logp: torch.Tensor, target_entropy: float) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """SAC learner worker: the off-policy flow's `actor` component. It takes the env workers' trajectories into its
-replay buffer, takes SAC gradient steps on minibatches sampled from it (twin critics with Polyak-averaged targets,
+replay buffer, takes SAC gradient steps on minibatches sampled from it (twin critics or an ensemble, Polyak-averaged targets,
 the squashed-Gaussian actor, the entropy temperature), publishes the actor's weights and writes checkpoints that
 hold the buffer and every generator, so a resumed run continues as an uninterrupted one. It never steps an env.
 
@@ -32,7 +32,7 @@ from m2flow.workers.embodied_actor import load_policy
 from m2flow.workers.guards import nonfinite_update
 from m2flow.workers.policy import make_policy
 from m2flow.workers.sync import PublishesWeights
-from m2flow.workloads.embodied import Trajectory, TwinQ
+from m2flow.workloads.embodied import Critics, Trajectory
 from m2flow.workloads.embodied.bc import demo_transitions
 from m2flow.workloads.embodied.replay import ReplayBuffer, transitions
 
@@ -67,8 +67,8 @@ class SACLearnerWorker(PublishesWeights, Worker):
         dims = math.prod(self.policy.act_shape)
         with torch.random.fork_rng():
             torch.manual_seed(cfg.run.seed + 1)
-            self.critic = TwinQ(self.policy.obs_dim, dims, tuple(cfg.policy.hidden), cfg.policy.activation,
-                                layernorm=s.critic_layernorm)
+            self.critic = Critics(self.policy.obs_dim, dims, tuple(cfg.policy.hidden), cfg.policy.activation,
+                                  layernorm=s.critic_layernorm, n=s.n_critics)
         self.target = copy.deepcopy(self.critic).requires_grad_(False)
         alpha, self.tuned = s.alpha_init()
         self.log_alpha = torch.tensor(math.log(alpha), requires_grad=self.tuned)
@@ -83,7 +83,8 @@ class SACLearnerWorker(PublishesWeights, Worker):
         self.demos = None
         if s.demos:  # RLPD: a second buffer, of the demonstrations, fills part of every minibatch
             data = demo_transitions(s.demos, cfg.env.id, cfg.env.instruct, s.demo_episodes,
-                                    sparse=cfg.env.kwargs.get("reward_mode") == "sparse")
+                                    sparse=cfg.env.kwargs.get("reward_mode") == "sparse",
+                                    end_at_success=not cfg.env.kwargs.get("ignore_terminations", False))
             data["actions"] = self.policy.to_unit(data["actions"]).clamp(-1.0, 1.0)
             self.demos = ReplayBuffer(len(data["rewards"]), tuple(obs_space.shape), self.policy.act_shape,
                                       seed=cfg.run.seed + 4343)
@@ -192,7 +193,7 @@ class SACLearnerWorker(PublishesWeights, Worker):
     def _actor_objective(self, b: dict, pi: torch.Tensor, logp: torch.Tensor, alpha: torch.Tensor):
         """(SAC's actor loss through the critics, the BC term): with sac.bc_coef, the squared error of the actor's
         deterministic action on the minibatch's demonstration rows (its first ones) to the demonstrated action."""
-        loss = actor_loss(logp, *self.critic(b["obs"], pi), alpha)
+        loss = actor_loss(logp, self.critic(b["obs"], pi), alpha, self.cfg.sac.actor_q)
         if not self.cfg.sac.bc_coef:
             return loss, torch.zeros(())
         k = self._demo_rows(len(pi))
@@ -200,13 +201,16 @@ class SACLearnerWorker(PublishesWeights, Worker):
         return loss, (torch.tanh(mean) - b["actions"][:k]).pow(2).sum(-1).mean()
 
     def _critic_loss(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both critics' loss against the soft TD target of the target critics, and the first critic's mean Q."""
+        """The critics' loss against the soft TD target of the target critics (all, or sac.min_qs of them drawn at
+        random), and the first critic's mean Q."""
         with torch.no_grad():
             next_pi, next_logp = self.policy.sample(b["next_obs"], eps)
-            y = soft_td_target(b["rewards"], b["terminated"], *self.target(b["next_obs"], next_pi), next_logp, alpha,
-                               self.cfg.algorithm.gamma)
-        q1, q2 = self.critic(b["obs"], b["actions"])
-        return critic_loss(q1, q2, y), q1.detach().mean()
+            n, m = self.cfg.sac.n_critics, self.cfg.sac.min_qs
+            which = None if m is None or m == n else torch.randperm(n, generator=self.gen)[:m].tolist()
+            y = soft_td_target(b["rewards"], b["terminated"], self.target(b["next_obs"], next_pi, which), next_logp,
+                               alpha, self.cfg.algorithm.gamma)
+        q = self.critic(b["obs"], b["actions"])
+        return critic_loss(q, y), q[0].detach().mean()
 
     def _finite(self, c_loss: torch.Tensor) -> bool:
         """Checked before anything is stepped: a non-finite critics' loss stops the run, or drops this step."""

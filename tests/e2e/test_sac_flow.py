@@ -156,15 +156,21 @@ def test_sac_save_buffer_all_keeps_every_buffer_and_none_resumes_on_an_empty_one
     assert [r["sac/buffer_size"] for r in resumed] == [64, 128, 64, 128]
 
 
-def test_sac_critic_layernorm_runs_through_the_flow_and_changes_the_critics(cluster, tmp_path):
+def test_sac_critic_layernorm_and_ensemble_run_through_the_flow_and_change_the_critics(cluster, tmp_path):
     """sac.critic_layernorm from the config: the checkpoint's critics and targets hold a LayerNorm per hidden layer,
-    and the critics' losses differ from the same run without it (same seed)."""
+    and the critics' losses differ from the same run without it (same seed); so do sac.n_critics' ensemble's."""
     common = ["policy.hidden=[32,32]", "run.steps=3", "sac.learning_starts=64", "eval.episodes=0"]
     plain = rows(train(cfg_for(tmp_path, "plain", *common), cluster))
     normed = train(cfg_for(tmp_path, "normed", "sac.critic_layernorm=true", *common), cluster)
     nets = load_file(f"{normed['checkpoint']}/sac_critic.safetensors")
     for net in ("critic", "target"):
-        for q in ("q1", "q2"):
-            assert nets[f"{net}.{q}.0.1.weight"].shape == nets[f"{net}.{q}.0.4.weight"].shape == (32,)
+        for q in (0, 1):
+            assert nets[f"{net}.qs.{q}.0.1.weight"].shape == nets[f"{net}.qs.{q}.0.4.weight"].shape == (32,)
     losses = [r["sac/critic_loss"] for r in rows(normed)][1:]
+    assert all(x == x for x in losses) and losses != [r["sac/critic_loss"] for r in plain][1:]
+    # RLPD's ensemble from the config: 5 critics and targets in the checkpoint, the target over a random 2 of them
+    ens = train(cfg_for(tmp_path, "ens", "sac.n_critics=5", "sac.min_qs=2", "sac.actor_q=mean", *common), cluster)
+    nets = load_file(f"{ens['checkpoint']}/sac_critic.safetensors")
+    assert {k.split(".")[2] for k in nets if k.startswith(("critic.qs", "target.qs"))} == {"0", "1", "2", "3", "4"}
+    losses = [r["sac/critic_loss"] for r in rows(ens)][1:]
     assert all(x == x for x in losses) and losses != [r["sac/critic_loss"] for r in plain][1:]

@@ -37,7 +37,7 @@ def test_soft_td_target_bootstraps_through_truncation_but_not_termination():
     terminated = torch.tensor([False, True, False])
     q1, q2 = torch.tensor([10.0, 10.0, 4.0]), torch.tensor([8.0, 12.0, 6.0])
     logp = torch.tensor([-1.0, -1.0, 2.0])
-    y = soft_td_target(r, terminated, q1, q2, logp, alpha=0.5, gamma=0.9)
+    y = soft_td_target(r, terminated, torch.stack([q1, q2]), logp, alpha=0.5, gamma=0.9)
     # min(Q') - alpha logp: 8.5, (terminated), 4 - 1 = 3
     assert y.tolist() == pytest.approx([1 + 0.9 * 8.5, 1.0, 1 + 0.9 * 3.0])
     assert not y.requires_grad
@@ -46,12 +46,23 @@ def test_soft_td_target_bootstraps_through_truncation_but_not_termination():
 def test_critic_loss_is_half_the_sum_of_both_mses():
     q1, q2, y = torch.tensor([1.0, 2.0]), torch.tensor([0.0, 4.0]), torch.tensor([1.0, 1.0])
     # MSE(q1) = (0 + 1) / 2, MSE(q2) = (1 + 9) / 2
-    assert critic_loss(q1, q2, y).item() == pytest.approx(0.5 * (0.5 + 5.0))
+    assert critic_loss(torch.stack([q1, q2]), y).item() == pytest.approx(0.5 * (0.5 + 5.0))
 
 
 def test_actor_loss_uses_the_smaller_critic_and_the_temperature():
     logp, q1, q2 = torch.tensor([-2.0, 1.0]), torch.tensor([3.0, 0.0]), torch.tensor([5.0, -1.0])
-    assert actor_loss(logp, q1, q2, 0.1).item() == pytest.approx(((0.1 * -2 - 3) + (0.1 * 1 + 1)) / 2)
+    assert actor_loss(logp, torch.stack([q1, q2]), 0.1).item() == pytest.approx(((0.1 * -2 - 3) + (0.1 * 1 + 1)) / 2)
+    # REDQ / RLPD: the ensemble's mean instead
+    mean = ((0.1 * -2 - 4) + (0.1 * 1 + 0.5)) / 2
+    assert actor_loss(logp, torch.stack([q1, q2]), 0.1, "mean").item() == pytest.approx(mean)
+
+
+def test_an_ensembles_target_takes_the_min_over_the_critics_given_and_its_loss_sums_theirs():
+    r, terminated, logp = torch.tensor([0.0, 1.0]), torch.tensor([False, False]), torch.tensor([0.0, 0.0])
+    qs = torch.tensor([[3.0, 1.0], [2.0, 5.0], [4.0, 0.5]])
+    assert soft_td_target(r, terminated, qs, logp, alpha=1.0, gamma=0.5).tolist() == pytest.approx([1.0, 1.25])
+    y = torch.tensor([3.0, 1.0])  # per-critic MSE: 0, (1 + 16) / 2, (1 + 0.25) / 2
+    assert critic_loss(qs, y).item() == pytest.approx(0.5 * (0 + 8.5 + 0.625))
 
 
 def test_temperature_rises_while_entropy_is_below_target():

@@ -15,7 +15,7 @@ from m2flow import config as C
 from m2flow.algorithms import actor_loss, squashed_gaussian_logprob
 from m2flow.workers.policy import make_policy, sample_actions, uniform_actions
 from m2flow.workers.sac_learner import SACLearnerWorker
-from m2flow.workloads.embodied import SquashedGaussianActor, Trajectory, TwinQ
+from m2flow.workloads.embodied import Critics, SquashedGaussianActor, Trajectory
 from m2flow.workloads.embodied.bc import demo_transitions
 from m2flow.workloads.embodied.experts import load_demos
 
@@ -68,28 +68,32 @@ def test_uniform_warmup_actions_cover_the_box_and_split_by_env_like_the_policy()
     assert np.array_equal(uniform_actions(BOX, 7, 10, 5, 4000), a[10:15])
 
 
-def test_twin_critics_are_two_networks():
-    q = TwinQ(3, 2, hidden=(8,))
-    q1, q2 = q(torch.zeros(5, 3), torch.zeros(5, 2))
-    assert q1.shape == q2.shape == (5,) and not torch.equal(q.q1[1].weight, q.q2[1].weight)
+def test_the_critics_are_separate_networks_and_a_subset_runs_alone():
+    q = Critics(3, 2, hidden=(8,))
+    assert q(torch.zeros(5, 3), torch.zeros(5, 2)).shape == (2, 5) and not torch.equal(q.qs[0][1].weight,
+                                                                                         q.qs[1][1].weight)
+    ens = Critics(3, 2, hidden=(8,), n=10)
+    obs, act = torch.randn(5, 3), torch.rand(5, 2)
+    whole = ens(obs, act)
+    assert whole.shape == (10, 5) and torch.equal(ens(obs, act, [7, 2]), whole[[7, 2]])
 
 
 def test_critic_layernorm_bounds_q_whatever_the_inputs_scale():
     """sac.critic_layernorm: each hidden layer is normalized, so |Q| stays under the output layer's |w|_1 + |b| for
     inputs a million times too large, where the plain critics' Q grows with them; the flag reaches the learner."""
     torch.manual_seed(0)
-    plain, normed = TwinQ(3, 2, hidden=(16, 16)), TwinQ(3, 2, hidden=(16, 16), layernorm=True)
+    plain, normed = Critics(3, 2, hidden=(16, 16)), Critics(3, 2, hidden=(16, 16), layernorm=True)
     assert sum(isinstance(m, torch.nn.LayerNorm) for m in normed.modules()) == 4  # 2 hidden layers x 2 critics
     obs, act = torch.randn(64, 3) * 1e6, torch.rand(64, 2) * 2 - 1
-    for q, head in zip(normed(obs, act), (normed.q1[-1], normed.q2[-1])):
+    for q, head in zip(normed(obs, act), (normed.qs[0][-1], normed.qs[1][-1])):
         bound = head.weight.abs().sum() * 16 ** 0.5 + head.bias.abs()  # LayerNorm'd ReLU features: |f|_2 <= sqrt(16)
         assert q.abs().max() <= bound
     assert max(q.abs().max() for q in plain(obs, act)) > 1e4
     cfg = C.load(C.EmbodiedConfig, "sac_pendulum", ["policy.hidden=[8]", "sac.critic_layernorm=true"])
     learner = SACLearnerWorker(cfg, spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-2, 2, (1,), np.float32))
-    assert [type(m).__name__ for m in learner.target.q1] == ["Sequential", "Linear"]
-    assert isinstance(learner.target.q1[0][1], torch.nn.LayerNorm) and isinstance(learner.critic.q2[0][1],
-                                                                                   torch.nn.LayerNorm)
+    assert [type(m).__name__ for m in learner.target.qs[0]] == ["Sequential", "Linear"]
+    assert isinstance(learner.target.qs[0][0][1], torch.nn.LayerNorm) and isinstance(learner.critic.qs[1][0][1],
+                                                                                     torch.nn.LayerNorm)
 
 
 def test_sac_needs_a_bounded_box():
@@ -110,6 +114,9 @@ def test_sac_needs_a_bounded_box():
     ("sac.bc_coef=1", "sac.bc_coef must be >= 0 and needs sac.demos"),
     ("sac.utd=0", r"sac.utd must be > 0 \(gradient steps per env step\), got 0"),
     ("sac.save_buffer=some", "sac.save_buffer must be latest | all | none, got 'some'"),
+    ("sac.actor_q=max", "sac.actor_q must be min | mean, got 'max'"),
+    ("sac.min_qs=3", r"n_critics must be >= 1 and min_qs null or in \[1, n_critics\], got 2 and 3"),
+    ("sac.n_critics=0", "n_critics must be >= 1"),
 ])
 def test_bad_sac_settings_name_the_field(override, message):
     with pytest.raises(C.ConfigError, match=message):
@@ -139,6 +146,10 @@ def test_demonstrations_become_transitions_that_end_terminated_with_the_sparse_r
     assert torch.allclose(dense["rewards"], torch.as_tensor(arrays["rewards"][:n], dtype=torch.float32))
     # next obs is the episode's next row, never the next episode's first
     assert torch.equal(dense["next_obs"][:first[0] - 1], dense["obs"][1:first[0]])
+    # an env that runs on past success (ignore_terminations): nothing is terminated, the last step bootstraps
+    running = demo_transitions(FIXTURE, "PickCube-v1", episodes=3, end_at_success=False)
+    assert not running["terminated"].any() and torch.equal(running["rewards"], dense["rewards"])
+    assert torch.equal(running["next_obs"][ends], running["obs"][ends])
     with pytest.raises(ValueError, match="env.id is PushCube-v1"):
         demo_transitions(FIXTURE, "PushCube-v1")
 
@@ -216,7 +227,7 @@ def test_parallel_update_steps_the_actor_through_the_critics_before_their_update
     alpha = ref.log_alpha.detach().exp()
     pi, logp = ref.policy.sample(b["obs"], eps[0])
     ref.actor_opt.zero_grad()
-    actor_loss(logp, *ref.critic(b["obs"], pi), alpha).backward()
+    actor_loss(logp, ref.critic(b["obs"], pi), alpha).backward()
     ref.actor_opt.step()
     # Adam's first step is the gradient's sign, so compare the gradients the steps applied
     want, got, sb3 = ([p.grad.clone() for p in x.policy.parameters()] for x in (ref, par, seq))
@@ -295,3 +306,47 @@ def test_utd_sets_the_gradient_steps_per_env_step_in_either_order(lag):
         extra = [f"sac.utd={utd}"] if utd is not None else []
         learner = _pendulum_learner(f"sac.max_policy_lag={lag}", "sac.learning_starts=0", *extra)
         assert learner.train(Channel(), 0, 1)["sac/updates"] == want
+
+
+def test_an_ensembles_step_takes_the_target_over_a_fresh_random_pair_and_scores_the_actor_with_the_mean():
+    """sac.n_critics=5, min_qs=2, actor_q=mean (RLPD's choices): the critics' loss regresses all five on a target
+    that is the min over two target critics drawn from the learner's generator (a hand-written reference), a
+    different pair at different steps; the actor's gradient is the one of the ensemble's mean."""
+    learner = _pendulum_learner("sac.n_critics=5", "sac.min_qs=2", "sac.actor_q=mean")
+    assert len(learner.critic.qs) == len(learner.target.qs) == 5
+    pairs = []
+    for _ in range(4):
+        b = learner._sample(32)
+        eps = torch.randn((2, 32, 1), generator=learner.gen)
+        alpha = learner.log_alpha.detach().exp()
+        state = learner.gen.get_state()
+        c_loss, _ = learner._critic_loss(b, eps[1], alpha)
+        ref = torch.Generator()
+        ref.set_state(state)
+        with torch.no_grad():
+            next_pi, next_logp = learner.policy.sample(b["next_obs"], eps[1])
+        pair = torch.randperm(5, generator=ref)[:2].tolist()
+        next_q = torch.stack([learner.target.qs[i](torch.cat([b["next_obs"], next_pi], 1)).squeeze(-1) for i in pair])
+        y = b["rewards"] + learner.cfg.algorithm.gamma * (~b["terminated"]).float() * (
+            next_q.min(0).values - alpha * next_logp)
+        q = torch.stack([net(torch.cat([b["obs"], b["actions"]], 1)).squeeze(-1) for net in learner.critic.qs])
+        assert c_loss.item() == pytest.approx(0.5 * sum(((qi - y) ** 2).mean().item() for qi in q), rel=1e-5)
+        pairs.append(tuple(sorted(pair)))
+    assert len(set(pairs)) > 1
+    pi, logp = learner.policy.sample(b["obs"], eps[0])
+    loss, _ = learner._actor_objective(b, pi, logp, alpha)
+    qs = learner.critic(b["obs"], pi)
+    assert loss.item() == pytest.approx((alpha * logp - qs.mean(0)).mean().item(), rel=1e-5)
+    assert loss.item() != pytest.approx((alpha * logp - qs.min(0).values).mean().item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("runs_on", [False, True])
+def test_the_learners_demonstrations_end_terminated_only_where_the_env_ends_at_success(runs_on):
+    """env.kwargs.ignore_terminations reaches the demonstrations' buffer: an env that runs on past success bootstraps
+    from the expert's last step, as from its own steps."""
+    over = ["algorithm.name=sac", f"sac.demos={FIXTURE}", "sac.demo_episodes=3", "sac.buffer_size=100",
+            "policy.hidden=[8]", *(["env.kwargs.ignore_terminations=true"] if runs_on else [])]
+    cfg = C.load(C.EmbodiedConfig, "ppo_pickcube", over)
+    learner = SACLearnerWorker(cfg, spaces.Box(-np.inf, np.inf, (42,), np.float32), spaces.Box(-1, 1, (4,), np.float32))
+    ends = int(learner.demos.data["terminated"][:len(learner.demos)].sum())
+    assert ends == (0 if runs_on else 3)

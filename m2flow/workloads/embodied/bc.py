@@ -103,20 +103,23 @@ def fit(policy: ActorCritic, data: dict[str, torch.Tensor], steps: int, batch_si
 
 
 def demo_transitions(demos: str, env_id: str, instruct: bool = False, episodes: int | None = None,
-                     sparse: bool = False) -> dict[str, torch.Tensor]:
+                     sparse: bool = False, end_at_success: bool = True) -> dict[str, torch.Tensor]:
     """The successful demonstrations of `demos` (as `demo_data` reads them) as replay-buffer transitions
     (`replay.transitions`' fields): next obs is the episode's next row; an episode's last step (the expert's
-    success, which ends a ManiSkill episode) is terminated. `sparse`: rewards relabelled as the env's sparse reward
-    gives them, 1 on that last step and 0 before (the datasets record the env's default, dense reward)."""
+    success, which ends a ManiSkill episode) is terminated, unless `end_at_success` is False (the env runs on past
+    success, `ignore_terminations`: that step bootstraps, from its own obs, the last the dataset holds). `sparse`:
+    rewards relabelled as the env's sparse reward gives them, 1 on that last step and 0 before (the datasets record
+    the env's default, dense reward)."""
     parts = []
     for summary, arrays in _datasets(demos, env_id, instruct):
         info = summary["episodes"][:episodes] if episodes is not None else summary["episodes"]
         for i in (i for i, e in enumerate(info) if e["success"]):
             rows = np.flatnonzero(arrays["episode"] == i)
             obs = torch.as_tensor(arrays["obs"][rows], dtype=torch.float32)
-            terminated = torch.zeros(len(rows), dtype=torch.bool)
-            terminated[-1] = True
-            rewards = terminated.float() if sparse else torch.as_tensor(arrays["rewards"][rows], dtype=torch.float32)
+            last = torch.zeros(len(rows), dtype=torch.bool)
+            last[-1] = True
+            terminated = last if end_at_success else torch.zeros_like(last)
+            rewards = last.float() if sparse else torch.as_tensor(arrays["rewards"][rows], dtype=torch.float32)
             parts.append({"obs": obs, "actions": torch.as_tensor(arrays["actions"][rows], dtype=torch.float32),
                           "rewards": rewards, "next_obs": torch.cat([obs[1:], obs[-1:]]), "terminated": terminated})
     if not parts:

@@ -301,18 +301,20 @@ class SquashedGaussianActor(nn.Module):
         return torch.zeros(len(obs))
 
 
-class TwinQ(nn.Module):
-    """SAC's two critics Q1, Q2(obs, action in [-1, 1]), separate MLPs on [obs; action]; `layernorm`: a LayerNorm
-    after every hidden layer (RLPD's critics: the features stay bounded, so Q cannot run away with its inputs)."""
+class Critics(nn.Module):
+    """SAC's critics Q_1..Q_n(obs, action in [-1, 1]), n separate MLPs on [obs; action] (n = 2: SB3's twin critics;
+    10: RLPD's ensemble) -> Q [n, B]; `layernorm`: a LayerNorm after every hidden layer (RLPD's critics: the features
+    stay bounded, so Q cannot run away with its inputs)."""
 
     def __init__(self, obs_dim: int, act_dim: int, hidden: tuple[int, ...] = (256, 256), activation: str = "relu",
-                 layernorm: bool = False):
+                 layernorm: bool = False, n: int = 2):
         super().__init__()
         act = ACTIVATIONS[activation]
         width = hidden[-1] if hidden else obs_dim + act_dim
-        self.q1, self.q2 = (nn.Sequential(_mlp(obs_dim + act_dim, tuple(hidden), act, ortho=False, layernorm=layernorm),
-                                          nn.Linear(width, 1)) for _ in range(2))
+        self.qs = nn.ModuleList(nn.Sequential(_mlp(obs_dim + act_dim, tuple(hidden), act, ortho=False,
+                                                   layernorm=layernorm), nn.Linear(width, 1)) for _ in range(n))
 
-    def forward(self, obs: torch.Tensor, unit_actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, obs: torch.Tensor, unit_actions: torch.Tensor, which: list[int] | None = None) -> torch.Tensor:
+        """Q [n, B], or the critics `which` [len(which), B] (the others are not run)."""
         x = torch.cat([obs.float().flatten(1), unit_actions], dim=1)
-        return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
+        return torch.stack([self.qs[i](x).squeeze(-1) for i in (range(len(self.qs)) if which is None else which)])
