@@ -1,7 +1,8 @@
 """SAC learner worker: the off-policy flow's `actor` component. It takes the env workers' trajectories into its
-replay buffer, takes SAC gradient steps on minibatches sampled from it (twin critics or an ensemble, Polyak-averaged targets,
-the squashed-Gaussian actor, the entropy temperature), publishes the actor's weights and writes checkpoints that
-hold the buffer and every generator, so a resumed run continues as an uninterrupted one. It never steps an env.
+replay buffer, takes SAC gradient steps on minibatches sampled from it (twin critics or an ensemble, with
+Polyak-averaged targets; the squashed-Gaussian actor; the entropy temperature), publishes the actor's weights and
+writes checkpoints that hold the buffer and every generator, so a resumed run continues as an uninterrupted one. It
+never steps an env.
 
 The order within an iteration is the plan's staleness contract (`sac.max_policy_lag`): 0 takes the iteration's
 env steps into the buffer first, then updates (SB3's collect-then-train); 1 updates on the steps gathered so far

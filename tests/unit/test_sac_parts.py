@@ -176,7 +176,8 @@ def test_rlpd_minibatches_draw_their_demo_fraction_from_the_demonstrations():
 @pytest.mark.parametrize("mode", ["stop", "skip"])
 def test_a_non_finite_critic_loss_stops_or_is_dropped_before_anything_steps(mode, parallel):
     cfg = C.load(C.EmbodiedConfig, "sac_pendulum", ["policy.hidden=[8]", "sac.buffer_size=100", "sac.batch_size=4",
-                                                    "sac.learning_starts=8", f"actor.nonfinite={mode}", f"sac.parallel_update={parallel}"])
+                                                    "sac.learning_starts=8", f"actor.nonfinite={mode}",
+                                                    f"sac.parallel_update={parallel}"])
     learner = SACLearnerWorker(cfg, spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-2, 2, (1,), np.float32))
     learner.buffer.add({"obs": torch.zeros(8, 3), "actions": torch.zeros(8, 1), "rewards": torch.full((8,), np.nan),
                         "next_obs": torch.zeros(8, 3), "terminated": torch.zeros(8, dtype=torch.bool)})
