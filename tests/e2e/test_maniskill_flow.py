@@ -77,3 +77,20 @@ def test_one_instruction_conditioned_policy_clones_three_tasks_and_trains_on_the
     rows = [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
     assert [r["rollout/episodes"] for r in rows] == [3, 3] and rows[-1]["env_steps"] == 120
     assert set(result["eval"]) >= {"success_rate/PickCube-v1", "success_rate/PushCube-v1", "success_rate/StackCube-v1"}
+
+
+def test_the_rlpd_pickcube_preset_trains_sac_on_the_demonstrations_past_success(cluster, tmp_path):
+    """`m2flow train rlpd_pickcube` with the shipped demonstrations: the dense reward's episodes run to the step
+    limit (ignore_terminations), every iteration takes utd 0.5 x its 64 env steps of gradient steps on minibatches
+    half from the demonstrations, with the BC term logged."""
+    over = [f"run.dir={tmp_path}", "run.name=rlpd", "run.progress=false", "run.trace=false", "run.steps=4",
+            "eval.episodes=0", "env.max_episode_steps=16", f"sac.demos={DEMOS}", "sac.demo_episodes=5",
+            "policy.hidden=[32,32]", "sac.buffer_size=1000"]
+    result = train(C.load(C.EmbodiedConfig, "rlpd_pickcube", over), cluster)
+    rows = [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
+    assert [r["sac/updates"] for r in rows] == [0, 32, 32, 32]  # lag 1: the first iteration's buffer is empty
+    assert [r["env_steps"] for r in rows] == [64, 128, 192, 256]
+    # 8 envs x 16 steps: every episode ran its 16 steps (ignore_terminations), 8 of them every other iteration
+    assert [r.get("rollout/episodes", 0) for r in rows] == [0, 8, 0, 8]
+    assert all(r["rollout/length"] == 16 for r in rows if r.get("rollout/episodes"))
+    assert all(r["sac/bc_loss"] > 0 for r in rows[1:])
