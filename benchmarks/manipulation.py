@@ -37,17 +37,15 @@ M2FLOW = str(_BESIDE) if _BESIDE.exists() else shutil.which("m2flow") or "m2flow
 
 # RLPD-style SAC from the same demonstrations as the clone, with no clone: they fill half of every minibatch, and the
 # actor's loss gains a behaviour-cloning term on them (sac.bc_coef). ManiSkill's sparse reward (success), gamma 0.9.
-RLPD = ("algorithm.name=sac policy.hidden=[256,256] policy.activation=relu env.num_envs=8 env.kwargs.reward_mode=sparse "
-        "algorithm.gamma=0.9 sac.train_freq=8 sac.gradient_steps=-1 sac.learning_starts=0 sac.max_policy_lag=1 "
-        "sac.ent_coef=auto_0.01 sac.bc_coef=1 run.save_every=50")
+_SAC = ("algorithm.name=sac policy.hidden=[256,256] policy.activation=relu env.num_envs=8 sac.train_freq=8 "
+        "sac.learning_starts=0 sac.max_policy_lag=1 sac.ent_coef=auto_0.01 sac.bc_coef=1")
+RLPD = f"{_SAC} env.kwargs.reward_mode=sparse algorithm.gamma=0.9 sac.gradient_steps=-1 run.save_every=50"
 # The same on ManiSkill's dense reward, as ManiSkill's own SAC baseline trains: episodes run on past success
 # (ignore_terminations, so the reward keeps paying for holding the cube at the goal), gamma 0.8, update-to-data 0.5,
 # and RLPD's LayerNorm in the critics (the rlpd_pickcube preset). PickCube: 98% at 134k env steps, 45 minutes, where
 # the sparse recipe plateaued near 40%; PushCube from 2 demonstrations: 82% at 70k, where the sparse one fell to 11%.
-RLPD_DENSE = ("algorithm.name=sac policy.hidden=[256,256] policy.activation=relu env.num_envs=8 "
-              "env.kwargs.ignore_terminations=true algorithm.gamma=0.8 sac.train_freq=8 sac.utd=0.5 "
-              "sac.learning_starts=0 sac.max_policy_lag=1 sac.ent_coef=auto_0.01 sac.bc_coef=1 "
-              "sac.critic_layernorm=true run.save_every=100")
+RLPD_DENSE = (f"{_SAC} env.kwargs.ignore_terminations=true algorithm.gamma=0.8 sac.utd=0.5 sac.critic_layernorm=true "
+              "run.save_every=100")
 ALGOS = ("ppo", "grpo", "rlpd")
 
 # task -> preset, demonstrations recorded, demonstrations cloned (few: room for RL), `m2flow sft`'s options, PPO's,
