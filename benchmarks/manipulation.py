@@ -143,15 +143,18 @@ def run_task(task: str, args) -> dict:
         sh([M2FLOW, "demos", task, "-n", str(max(recipe.get("demos", clone), clone)), "--out", str(demos)],
            out / "demos.log")
     bc = out / "bc"
-    sh([M2FLOW, "sft", preset, str(bc), "--demos", str(demos), "--demo-episodes", str(clone),
-        *shlex.split(recipe.get("sft", "")), *common], out / "bc.log")
+    sft = [M2FLOW, "sft", preset, str(bc), "--demos", str(demos), "--demo-episodes", str(clone),
+           *shlex.split(recipe.get("sft", "")), *common]
+    sft_cmd = shlex.join(["m2flow", *sft[1:]])
+    before = json.loads((out / "row.json").read_text()) if (out / "row.json").exists() else {}
+    if before.get("demo_episodes") != clone:
+        before = {}  # a row run before with the same demonstrations keeps its other columns (and its clone)
+    if before.get("commands", {}).get("bc") != sft_cmd or not (bc / "eval.json").exists():
+        sh(sft, out / "bc.log")  # the clone is trained again only when its command changed
     row = {"task": task, "preset": preset, "demo_episodes": clone,
-           "bc": {"success": json.loads((bc / "eval.json").read_text())["success_rate"]}, "commands": {}}
-    if (out / "row.json").exists():  # a row run before with the same demonstrations keeps its other columns
-        before = json.loads((out / "row.json").read_text())
-        if before.get("demo_episodes") == clone:
-            row["commands"] = before.get("commands", {})
-            row.update({k: before[k] for k in ALGOS if k in before})
+           "bc": {"success": json.loads((bc / "eval.json").read_text())["success_rate"]},
+           "commands": {**before.get("commands", {}), "bc": sft_cmd}}
+    row.update({k: before[k] for k in ALGOS if k in before})
     for name in args.algos.split(","):
         if recipe and name not in recipe and not getattr(args, name):
             print(f"{task}: no {name} recipe (give --{name} to run one)", flush=True)

@@ -188,7 +188,7 @@ def save_checkpoint(run: RunDir, cfg, step: int, actor, env, env_steps: int, rec
     """checkpoints/step_N/: policy + optimizer (actor), normalizer state per env worker, driver state, config; SAC's
     replay buffer (in the newest checkpoint only, by default: sac.save_buffer)."""
     def write(tmp: Path) -> None:
-        wait_all([actor.on([0]).save_checkpoint(str(tmp)), env.save_state(str(tmp))])
+        wait_all([actor.on([0]).save_checkpoint(str(tmp)), env.save_state(str(tmp))], drain=run.WRITERS_DRAIN_S)
         torch.save({"step": step, "env_steps": env_steps, "recent": list(recent)}, tmp / "driver.pt")
         C.save_yaml(cfg, tmp / "config.yaml")
 

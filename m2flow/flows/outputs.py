@@ -197,6 +197,10 @@ class RunDir:
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------
+    # When one writer of a checkpoint fails (a full disk), how long the others get to stop before its folder is
+    # removed: a rank still writing would leave a partial step_N.tmp behind.
+    WRITERS_DRAIN_S = 120.0
+
     def save_checkpoint(self, step: int, write: Callable[[Path], None]) -> Path:
         """`write(tmp_dir)` fills a temporary folder, renamed to checkpoints/step_N at once when complete,
         so a crash never leaves a half-written checkpoint that resume would pick."""

@@ -276,7 +276,8 @@ def save_checkpoint(run: RunDir, cfg: ReasoningConfig, step: int, trainers: list
     """checkpoints/step_N/: the actor's shards and HF model/ (and with PPO the critic's `critic_dcp/`), the driver's
     data order and RNG, the run's config (what `m2flow eval` evaluates the checkpoint under)."""
     def write(tmp: Path) -> None:
-        wait_all([g.save_checkpoint(str(tmp)) for g in trainers])  # every rank writes its shards
+        # every rank writes its shards
+        wait_all([g.save_checkpoint(str(tmp)) for g in trainers], drain=run.WRITERS_DRAIN_S)
         torch.save({"data": data_state, "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
                     "step": step}, tmp / "driver.pt")
         C.save_yaml(cfg, tmp / "config.yaml")

@@ -515,9 +515,11 @@ class Handle:
 _PEER_GRACE_S = 1.0  # after a rank fails, how long its call's other ranks get to report before the error is raised
 
 
-def wait_all(handles: Iterable[Handle], timeout: float | None = None) -> list[list]:
+def wait_all(handles: Iterable[Handle], timeout: float | None = None, drain: float = 0.0) -> list[list]:
     """Wait on all handles at once; the first failure anywhere raises (a WorkerError, see `Handle.error`) within
     about a second, even while other calls are still blocked, e.g. on data that a dead producer will never send.
+    `drain`: on a failure, first give the other calls up to that many seconds to end, for calls that share
+    something the caller cleans up after an error (ranks writing one checkpoint folder, which is then removed).
     Returns each handle's results."""
     handles = list(handles)
     for h in handles:
@@ -537,6 +539,9 @@ def wait_all(handles: Iterable[Handle], timeout: float | None = None) -> list[li
                 h._fetch(i)
             except WorkerError:
                 h._settle_failed_peers(_PEER_GRACE_S)
+                rest = [r for r, (other, j) in pending.items() if j not in other._outcomes and j not in other._failures]
+                if drain and rest:
+                    ray.wait(rest, num_returns=len(rest), timeout=drain)
                 raise h.error from None
     return [h._results() for h in handles]
 

@@ -353,6 +353,20 @@ def test_when_several_ranks_fail_the_error_names_the_lowest_and_counts_them(clus
         victims.kill()
 
 
+def test_wait_all_with_drain_lets_the_other_calls_end_before_it_raises(calc):
+    """Writers of one checkpoint folder: when one fails, the caller removes the folder, so the others must have
+    stopped writing first (`drain`). Without it the error comes at once, the other call still running."""
+    for drain, still_running in ((0.0, True), (30.0, False)):
+        napping = calc.on(1).nap(3)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"^calc rank 0: fail\(\) raised ValueError: disk full"):
+            wait_all([calc.on(0).fail("disk full"), napping], timeout=30, drain=drain)
+        took = time.monotonic() - start
+        assert (not napping.done()) == still_running, (drain, took)
+        assert (took < 2.5) == still_running, (drain, took)
+        assert napping.wait(timeout=30) == [3]
+
+
 class Asker(Worker):
     """Calls another group from inside a worker: in-process when that group is co-hosted here."""
 
