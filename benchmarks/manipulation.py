@@ -1,7 +1,8 @@
 """The manipulation table: per task, behaviour cloning from a few expert demonstrations, then PPO and embodied GRPO
 from that clone, and RLPD-style SAC with those demonstrations in its minibatches (no clone), each scored by the same
-deterministic evaluation (`eval.episodes` held-out seeds, the same seeds for all four). Runs the CLI a user would (`m2flow demos`, `m2flow sft`, `m2flow train`) and prints every command,
-so a row is reproduced by pasting them. Asserts nothing.
+deterministic evaluation (`eval.episodes` held-out seeds, the same seeds for all four). Runs the CLI a user would
+(`m2flow demos`, `m2flow sft`, `m2flow train`) and prints every command, so a row is reproduced by pasting them.
+Asserts nothing.
 
 Per task it writes OUT/<task>/row.json: the three success rates, env steps, wall time and env steps/s of each RL
 run (the median of its iterations' `throughput/env_steps_per_s`, with the 1-minute load average sampled while it
@@ -12,6 +13,7 @@ table of every row.json under OUT as markdown.
     python benchmarks/manipulation.py --tasks PushCube-v1 --ppo 'run.steps=40'   # extra overrides per RL run
     python benchmarks/manipulation.py --tasks PushCube-v1 --algos rlpd            # the RLPD column only
     python benchmarks/manipulation.py --summarize
+    python benchmarks/manipulation.py --tasks PickCube-v1 --plans 60               # RLPD's env steps/s per plan
 
 The recipes (RECIPES below) are the ones measured in the README; `--demo-episodes`, `--ppo`, `--grpo` and `--rlpd`
 add to or override them.
@@ -81,6 +83,14 @@ RECIPES = {
 }
 
 
+# RLPD's plans (--plans): the env and its policy on device 0 with the learner beside them on device 1, collecting
+# while it learns (the presets'); everything on device 0, taking turns; the learner over both devices' cores,
+# taking turns with the collection.
+PLANS = {"pipelined": ["cluster.placement=env,rollout: 0; actor: 1", "sac.max_policy_lag=1"],
+         "collocated": ["cluster.placement=env,rollout,actor: 0", "sac.max_policy_lag=0"],
+         "wide": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=0"]}
+
+
 def sh(cmd: list[str], log: Path) -> float:
     """Run `cmd` (printed first), its output to `log`; the wall seconds it took. A failure stops the benchmark with
     the log's tail."""
@@ -129,7 +139,8 @@ def rl_figures(run_dir: Path) -> dict:
             "sampled_success_by_10": [round(statistics.mean(b), 3) for b in blocks if b]}
 
 
-def run_task(task: str, args) -> dict:
+def demonstrations(task: str, args) -> tuple[dict, str, int, Path, Path]:
+    """The task's recipe, preset, demonstrations cloned, output folder and demonstrations (recorded once)."""
     recipe = dict(RECIPES.get(task, {}))
     if not recipe and not args.preset:
         sys.exit(f"no recipe for {task!r} (have {', '.join(RECIPES)}): give --preset and the overrides")
@@ -137,11 +148,40 @@ def run_task(task: str, args) -> dict:
     clone = args.demo_episodes or recipe.get("clone", 5)
     out = Path(args.out) / task.replace("/", "_")
     out.mkdir(parents=True, exist_ok=True)
-    common = [f"env.id={task}", f"eval.episodes={args.episodes}"]
     demos = out / "demos"
     if not (demos / "demos.json").exists():
         sh([M2FLOW, "demos", task, "-n", str(max(recipe.get("demos", clone), clone)), "--out", str(demos)],
            out / "demos.log")
+    return recipe, preset, clone, out, demos
+
+
+def rlpd_plans(task: str, args) -> dict:
+    """--plans N: the task's RLPD recipe for N iterations in each of PLANS (no evaluation) -> env steps/s per plan
+    (the median over its iterations after the first), written to OUT/<task>/plans.json."""
+    recipe, preset, clone, out, demos = demonstrations(task, args)
+    if "rlpd" not in recipe:
+        sys.exit(f"{task}: no rlpd recipe to measure the plans of")
+    overrides = [o for o in shlex.split(recipe["rlpd"]) if not o.startswith("run.steps=")]
+    result = {"task": task, "iterations": args.plans, "plans": {}}
+    for plan, settings in PLANS.items():
+        cmd = [M2FLOW, "train", preset, f"env.id={task}", "eval.episodes=0", f"sac.demos={demos}",
+               f"sac.demo_episodes={clone}", f"run.dir={out / 'plans'}", f"run.name={plan}", "run.overwrite=true",
+               *overrides, "run.save_every=0", f"run.steps={args.plans}", *settings]
+        with LoadSampler() as load:
+            sh(cmd, out / f"plan_{plan}.log")
+        rows = [json.loads(line) for line in open(out / "plans" / plan / "metrics.jsonl")][1:]
+        result["plans"][plan] = {"env_steps_per_s": round(statistics.median(
+            r["throughput/env_steps_per_s"] for r in rows), 1), "load": load.summary(),
+            "command": shlex.join(["m2flow", *cmd[1:]])}
+        print(f"{task} {plan}: {result['plans'][plan]['env_steps_per_s']} env steps/s (load "
+              f"{result['plans'][plan]['load']})", flush=True)
+    (out / "plans.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def run_task(task: str, args) -> dict:
+    recipe, preset, clone, out, demos = demonstrations(task, args)
+    common = [f"env.id={task}", f"eval.episodes={args.episodes}"]
     bc = out / "bc"
     sft = [M2FLOW, "sft", preset, str(bc), "--demos", str(demos), "--demo-episodes", str(clone),
            *shlex.split(recipe.get("sft", "")), *common]
@@ -198,7 +238,13 @@ def main() -> None:
     p.add_argument("--rlpd", default="", help="overrides added to RLPD's")
     p.add_argument("--algos", default=",".join(ALGOS), help=f"the RL runs of a row, from {', '.join(ALGOS)}")
     p.add_argument("--summarize", action="store_true", help="print the table of the rows under --out")
+    p.add_argument("--plans", type=int, default=0, metavar="N",
+                   help=f"instead: env steps/s of the RLPD recipe in each plan ({', '.join(PLANS)}), N iterations")
     args = p.parse_args()
+    if args.plans:
+        for t in args.tasks.split(","):
+            rlpd_plans(t.strip(), args)
+        return
     if unknown := set(args.algos.split(",")) - set(ALGOS):
         p.error(f"--algos: {', '.join(sorted(unknown))} is not one of {', '.join(ALGOS)}")
     if args.summarize:
