@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from m2flow import config as C
 from m2flow.flows import embodied, reasoning
-from m2flow.runtime import WorkerError
+from m2flow.runtime import Group, WorkerError
 
 REASONING_SPLIT = "cluster.placement=rollout: 0; reward: 0; inference: 1; actor: 1"  # four processes
 EMBODIED_SPLIT = "cluster.placement=env: 0; rollout: 1; actor: 1"  # three processes (policy apart from the env)
@@ -45,25 +45,27 @@ def rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def role_pid(role: str, timeout: float = 5.0) -> int | None:
-    """The pid of the worker process titled with `role` (`m2flow:actor:0`; co-hosted roles are joined with '+').
-    Ray retitles a process around each call and m2flow puts the role back twice a second: look for a while."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for proc in psutil.process_iter(["cmdline"]):
-            title = " ".join(proc.info["cmdline"] or ()).strip()
-            if title.startswith("m2flow:") and role in title.removeprefix("m2flow:").split("+"):
-                return proc.pid
-        time.sleep(0.05)
-    return None
+def recorded_groups(mp: pytest.MonkeyPatch) -> list[Group]:
+    """Every worker group built while `mp` is active. The kill's target is the run's own group's process (its pid
+    from Ray), not a process found by its title: an idle process that an earlier run left for reuse may still show
+    that run's title for a moment, and killing it stops nothing."""
+    groups: list[Group] = []
+    real = Group.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        groups.append(self)
+
+    mp.setattr(Group, "__init__", init)
+    return groups
 
 
-def kill_after_checkpoint(run_dir, component: str, step: int = 2, during: int | None = None, writing: str = "",
-                          timeout: float = 120.0) -> dict:
-    """Start a thread that SIGKILLs `component` rank 0 once the run's checkpoint of `step` is complete (the run is
-    then in its next step), or with `during=N` once the checkpoint of step N has begun (its `step_N.tmp` folder is
-    there, and the file `writing` in it where given); returns what it did ({'pid': ...} or {'error': ...}) once the
-    thread ends."""
+def kill_after_checkpoint(run_dir, groups: list[Group], component: str, step: int = 2, during: int | None = None,
+                          writing: str = "", timeout: float = 120.0) -> dict:
+    """Start a thread that SIGKILLs `component` rank 0 (its group among `groups`) once the run's checkpoint of
+    `step` is complete (the run is then in its next step), or with `during=N` once the checkpoint of step N has
+    begun (its `step_N.tmp` folder is there, and the file `writing` in it where given); returns what it did
+    ({'pid': ...} or {'error': ...}) once the thread ends."""
     done: dict = {}
 
     def wait_for(path, what) -> bool:
@@ -76,18 +78,17 @@ def kill_after_checkpoint(run_dir, component: str, step: int = 2, during: int | 
         return True
 
     def watch():
-        # the pid first, while the run starts: in a busy process the title is Ray's for all but moments
-        pid = role_pid(f"{component}:0", timeout=timeout)
-        if pid is None:
-            done["error"] = f"no process titled m2flow:{component}:0"
-            return
         if not wait_for(run_dir / "checkpoints" / f"step_{step}" / "COMPLETE", f"checkpoint of step {step}"):
             return
         if during and not wait_for(run_dir / "checkpoints" / f"step_{during}.tmp" / writing,
                                    f"checkpoint of step {during}"):
             return
-        os.kill(pid, signal.SIGKILL)
-        done["pid"] = pid
+        pids = [g._where[0]["pid"] for g in list(groups) if g.component == component and 0 in g._where]
+        if not pids:
+            done["error"] = f"the run has no {component} group"
+            return
+        os.kill(pids[-1], signal.SIGKILL)
+        done["pid"] = pids[-1]
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
@@ -99,9 +100,10 @@ def killed_run(train, cfg, cluster, run_dir, component: str, during: int | None 
     """Run `cfg` while `component` is killed after the checkpoint of step 2 (or while that of step `during` is
     written, once its file `writing` has appeared): the run fails within seconds of the kill with a WorkerError naming
     the component, rank 0 and the pid. Returns the newest complete checkpoint."""
-    kill = kill_after_checkpoint(run_dir, component, during=during, writing=writing)
-    with pytest.raises(WorkerError) as err:
-        train(cfg, cluster)
+    with pytest.MonkeyPatch.context() as mp:
+        kill = kill_after_checkpoint(run_dir, recorded_groups(mp), component, during=during, writing=writing)
+        with pytest.raises(WorkerError) as err:
+            train(cfg, cluster)
     failed_at = time.monotonic()
     kill["thread"].join(timeout=30)
     assert "error" not in kill, kill.get("error")
