@@ -13,9 +13,10 @@ Plans: `lockstep` (env, policy and learner in one process on device 0, `sac.max_
 core), `wide` (the learner one process over both devices' cores, 2 threads; env and policy on device 0; lag 0),
 `pipelined` (the preset's: env and policy on device 0, the learner on device 1, `sac.max_policy_lag=1`, collection
 overlapping the updates), `parallel` (wide, with `sac.parallel_update=true`: the critics' and the actor's gradient
-steps at once, one core each). SB3 runs in its own process with torch's default threads (2 here), as a user runs it.
-`--set` overrides the preset for both libraries (e.g. `sac.learning_starts=1000` for a short run). The 1-minute
-load average is sampled during each run.
+steps at once, one core each), `overlapped` (parallel, with `sac.max_policy_lag=1`: the env and policy collect the
+next steps on device 0 while the learner's two threads update). SB3 runs in its own process with torch's default
+threads (2 here), as a user runs it. `--set` overrides the preset for both libraries (e.g.
+`sac.learning_starts=1000` for a short run). The 1-minute load average is sampled during each run.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ PLANS = {"lockstep": ["cluster.placement=env,rollout,actor: 0", "sac.max_policy_
          "wide": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=0"],
          "pipelined": ["cluster.placement=env,rollout: 0; actor: 1", "sac.max_policy_lag=1"],
          "parallel": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=0",
-                      "sac.parallel_update=true"]}
+                      "sac.parallel_update=true"],
+         "overlapped": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=1",
+                        "sac.parallel_update=true"]}
 
 
 def sb3_run(steps: int, seed: int, out: Path) -> dict:
