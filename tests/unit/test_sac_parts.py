@@ -12,7 +12,7 @@ import torch
 from gymnasium import spaces
 
 from m2flow import config as C
-from m2flow.algorithms import actor_loss, squashed_gaussian_logprob
+from m2flow.algorithms import actor_loss, polyak_update, squashed_gaussian_logprob
 from m2flow.workers.policy import make_policy, sample_actions, uniform_actions
 from m2flow.workers.sac_learner import SACLearnerWorker
 from m2flow.workloads.embodied import Critics, SquashedGaussianActor, Trajectory
@@ -216,8 +216,8 @@ def test_parallel_update_steps_the_actor_through_the_critics_before_their_update
     gradient reads the critics as they were before this step (a hand-written reference), not after (SB3)."""
     par, seq, ref = (_pendulum_learner(*o) for o in (["sac.parallel_update=true"], [], []))
     assert par._pool is not None and seq._pool is None
-    par._update()
-    seq._update()
+    par._parallel_steps(1)
+    seq._update(seq._draw())
     for net in ("critic", "target"):
         a, b = _weights(getattr(par, net)), _weights(getattr(seq, net))
         assert all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in a), net
@@ -236,6 +236,33 @@ def test_parallel_update_steps_the_actor_through_the_critics_before_their_update
     assert not all(torch.allclose(g, w, rtol=1e-3) for g, w in zip(sb3, want))  # SB3's order reads the new critics
     assert all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)  # the critics' gradient: their loss's only
                for p, q in zip(par.critic.parameters(), seq.critic.parameters()))
+
+def test_parallel_steps_equal_their_sequential_reference_over_several_steps():
+    """sac.parallel_update over 3 steps (the actor's and temperature's steps and the next draw in the pool's thread,
+    beside the critics' step) equals a one-thread reference of the same order: the actor's gradient through the
+    critics before the step, the critics' step, the temperature's and the actor's, then the targets."""
+    par, ref = _pendulum_learner("sac.parallel_update=true"), _pendulum_learner()
+    assert len(par._parallel_steps(3)) == 3
+    for _ in range(3):
+        b, eps = ref._draw()
+        alpha = ref.log_alpha.detach().exp()
+        ref.actor_opt.zero_grad()
+        pi, logp = ref.policy.sample(b["obs"], eps[0])
+        torch.autograd.backward(actor_loss(logp, ref.critic(b["obs"], pi), alpha), inputs=list(ref.policy.parameters()))
+        c_loss, _ = ref._critic_loss(b, eps[1], alpha)
+        ref.critic_opt.zero_grad()
+        c_loss.backward()
+        ref.critic_opt.step()
+        ref._temperature_step(logp)
+        ref.actor_opt.step()
+        polyak_update(list(ref.target.parameters()), list(ref.critic.parameters()), ref.cfg.sac.tau)
+    for net in ("policy", "critic", "target"):
+        a, w = _weights(getattr(par, net)), _weights(getattr(ref, net))
+        assert all(torch.allclose(a[k], w[k], rtol=1e-5, atol=1e-6) for k in a), net
+    assert par.log_alpha.item() == pytest.approx(ref.log_alpha.item(), rel=1e-6)
+    assert torch.equal(par.gen.get_state(), ref.gen.get_state())  # as many draws, in the same order
+    assert torch.equal(par.buffer.gen.get_state(), ref.buffer.gen.get_state())
+
 
 def test_parallel_update_is_deterministic_and_uses_half_the_threads_in_each_of_its_two():
     runs = []
