@@ -134,25 +134,22 @@ class SACLearnerWorker(PublishesWeights, Worker):
         if self.env_steps < starts or len(self.buffer) < min(starts, self.buffer.capacity) or not n:
             return {"sac/updates": 0}
         with self.device_phase("train", step), _intra_op_threads(self._threads):
-            done = self._parallel_steps(n) if self._pool is not None else [
-                x for x in (self._update(self._draw()) for _ in range(n)) if x is not None]
+            done = [x for x in (self._update() for _ in range(n)) if x is not None]
         stats = torch.stack(done).mean(0).tolist() if done else [float("nan")] * len(STATS)
         out = {**dict(zip(STATS, stats)), "sac/updates": len(done), "actor/nonfinite_skipped": n - len(done)}
         if not self.cfg.sac.bc_coef:
             del out["sac/bc_loss"]
         return out
 
-    def _draw(self) -> tuple[dict, torch.Tensor]:
-        """A gradient step's minibatch and its reparameterization noise (the actor's and the target's), drawn in this
-        order from the buffer's and the learner's generators."""
-        b = self._sample(self.cfg.sac.batch_size)
-        return b, torch.randn((2, self.cfg.sac.batch_size, *self.policy.mu.bias.shape), generator=self.gen)
-
-    def _update(self, drawn: tuple[dict, torch.Tensor]) -> torch.Tensor | None:
-        """One gradient step on `drawn` (temperature, critics, actor, targets, in SB3's order) -> its stats; None
-        when it was dropped for a non-finite loss (actor.nonfinite=skip)."""
-        b, eps = drawn
+    def _update(self) -> torch.Tensor | None:
+        """One gradient step (temperature, critics, actor, targets, in SB3's order) -> its stats; None when it was
+        dropped for a non-finite loss (actor.nonfinite=skip)."""
+        s = self.cfg.sac
+        b = self._sample(s.batch_size)
+        eps = torch.randn((2, s.batch_size, *self.policy.mu.bias.shape), generator=self.gen)
         alpha = self.log_alpha.detach().exp()  # this step's temperature, before its own update (as SB3)
+        if self._pool is not None:
+            return self._parallel_update(b, eps, alpha)
         pi, logp = self.policy.sample(b["obs"], eps[0])
         c_loss, q = self._critic_loss(b, eps[1], alpha)
         if not self._finite(c_loss):
@@ -169,48 +166,30 @@ class SACLearnerWorker(PublishesWeights, Worker):
         self.critic.requires_grad_(True)
         return self._after_step(c_loss, a_loss, bc, alpha, logp, q)
 
-    def _parallel_steps(self, n: int) -> list[torch.Tensor]:
-        """sac.parallel_update, n gradient steps -> the stats of those not dropped. In each, the pool's thread takes
-        the actor's gradient, through the critics as they are before this step, while this thread takes the
-        critics'; then this thread steps the critics and the targets while the pool's steps the actor and the
-        temperature and draws the next step's minibatch (the draws keep the sequential order). Only the critics'
-        loss's finiteness is decided between: nothing steps before it."""
-        done, drawn = [], self._draw()
-        for i in range(n):
-            b, eps = drawn
-            alpha = self.log_alpha.detach().exp()
-            actor = self._pool.submit(self._actor_gradient, b, eps[0], alpha)
-            c_loss, q = self._critic_loss(b, eps[1], alpha)
-            finite = bool(torch.isfinite(c_loss))
-            if finite:
-                self.critic_opt.zero_grad()
-                c_loss.backward()
-            a_loss, bc, logp = actor.result()  # its backward has read the critics: they may step now
-            if not finite:
-                self._finite(c_loss)  # raises, or the step is dropped
-                drawn = self._draw() if i + 1 < n else drawn
-                continue
-            after = self._pool.submit(self._actor_step, logp, i + 1 < n)
-            self.critic_opt.step()
-            done.append(self._after_step(c_loss, a_loss, bc, alpha, logp, q))
-            drawn = after.result() or drawn
-        return done
+    def _parallel_update(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
+        """sac.parallel_update: the actor's gradient in the pool's thread, through the critics as they are before
+        this step, while this thread takes the critics' gradient; then the temperature, critics and actor step."""
+        self.actor_opt.zero_grad()
+        actor = self._pool.submit(self._actor_gradient, b, eps[0], alpha)
+        c_loss, q = self._critic_loss(b, eps[1], alpha)
+        self.critic_opt.zero_grad()
+        c_loss.backward()
+        a_loss, bc, logp = actor.result()
+        if not self._finite(c_loss):
+            return None
+        self._temperature_step(logp)
+        self.critic_opt.step()
+        self.actor_opt.step()
+        return self._after_step(c_loss, a_loss, bc, alpha, logp, q)
 
     def _actor_gradient(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor):
         """The actor's loss and its gradient into the actor's weights only (`inputs=`: the critics' weights get
         none, and are neither written nor differentiated, so the other thread's critic step is untouched)."""
         torch.set_num_threads(self._threads)  # this thread's own OpenMP team, which need not follow the other's
-        self.actor_opt.zero_grad()
         pi, logp = self.policy.sample(b["obs"], eps)
         loss, bc = self._actor_objective(b, pi, logp, alpha)
         torch.autograd.backward(loss + self.cfg.sac.bc_coef * bc, inputs=list(self.policy.parameters()))
         return loss.detach(), bc.detach(), logp.detach()
-
-    def _actor_step(self, logp: torch.Tensor, draw: bool) -> tuple[dict, torch.Tensor] | None:
-        """The temperature's and the actor's steps, then (`draw`) the next gradient step's minibatch and noise."""
-        self._temperature_step(logp)
-        self.actor_opt.step()
-        return self._draw() if draw else None
 
     def _actor_objective(self, b: dict, pi: torch.Tensor, logp: torch.Tensor, alpha: torch.Tensor):
         """(SAC's actor loss through the critics, the BC term): with sac.bc_coef, the squared error of the actor's

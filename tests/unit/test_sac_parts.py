@@ -216,8 +216,8 @@ def test_parallel_update_steps_the_actor_through_the_critics_before_their_update
     gradient reads the critics as they were before this step (a hand-written reference), not after (SB3)."""
     par, seq, ref = (_pendulum_learner(*o) for o in (["sac.parallel_update=true"], [], []))
     assert par._pool is not None and seq._pool is None
-    par._parallel_steps(1)
-    seq._update(seq._draw())
+    par._update()
+    seq._update()
     for net in ("critic", "target"):
         a, b = _weights(getattr(par, net)), _weights(getattr(seq, net))
         assert all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in a), net
@@ -238,13 +238,14 @@ def test_parallel_update_steps_the_actor_through_the_critics_before_their_update
                for p, q in zip(par.critic.parameters(), seq.critic.parameters()))
 
 def test_parallel_steps_equal_their_sequential_reference_over_several_steps():
-    """sac.parallel_update over 3 steps (the actor's and temperature's steps and the next draw in the pool's thread,
-    beside the critics' step) equals a one-thread reference of the same order: the actor's gradient through the
-    critics before the step, the critics' step, the temperature's and the actor's, then the targets."""
+    """sac.parallel_update over 3 steps equals a one-thread reference of the same order: the actor's gradient through
+    the critics before the step, the critics' step, the temperature's and the actor's, then the targets; with as
+    many draws from each generator, so the next steps' minibatches and noise are the sequential step's."""
     par, ref = _pendulum_learner("sac.parallel_update=true"), _pendulum_learner()
-    assert len(par._parallel_steps(3)) == 3
+    assert par._updates(0, 3)["sac/updates"] == 3
     for _ in range(3):
-        b, eps = ref._draw()
+        b = ref._sample(32)
+        eps = torch.randn((2, 32, 1), generator=ref.gen)
         alpha = ref.log_alpha.detach().exp()
         ref.actor_opt.zero_grad()
         pi, logp = ref.policy.sample(b["obs"], eps[0])
