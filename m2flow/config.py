@@ -857,10 +857,6 @@ class SACConfig:
                                        "with half the learner's cores each; the actor's loss then reads the critics "
                                        "before this step's update (as the original SAC implementation does) instead "
                                        "of after it (SB3). Pays off when the learner has 2+ cores")
-    parallel_slack: int = opt(0, "with parallel_update, 1: each thread reads the other's weights from two gradient "
-                                 "steps back instead of one (a ring of copies), so the two meet only when one falls a "
-                                 "whole step behind; deterministic. A non-finite critics' loss then drops only the "
-                                 "critics' step (actor.nonfinite=skip). 0: they meet every step")
     demos: str = opt("", "RLPD: `m2flow demos` directories (comma-separated, one per task) whose successful episodes "
                          "fill a second buffer; each minibatch draws demo_fraction of its rows from it")
     demo_fraction: float = opt(0.5, "with sac.demos: the share of every minibatch drawn from the demonstrations")
@@ -903,9 +899,6 @@ class SACConfig:
             raise ConfigError(f"{where}.utd must be > 0 (gradient steps per env step), got {self.utd}")
         if not 0 < self.tau <= 1:
             raise ConfigError(f"{where}.tau must be in (0, 1], got {self.tau}")
-        if self.parallel_slack not in (0, 1) or (self.parallel_slack and not self.parallel_update):
-            raise ConfigError(f"{where}.parallel_slack must be 0 or 1, and 1 needs {where}.parallel_update=true, got "
-                              f"{self.parallel_slack} with parallel_update={self.parallel_update}")
         if self.max_policy_lag not in (0, 1):
             raise ConfigError(f"{where}.max_policy_lag must be 0 or 1, got {self.max_policy_lag}")
         self.alpha_init()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import math
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -55,55 +54,6 @@ def _intra_op_threads(n: int | None):
         yield
     finally:
         torch.set_num_threads(before)
-
-
-class _Stopped(Exception):
-    """The other thread of sac.parallel_slack failed: this one stops too."""
-
-
-class _Versions:
-    """One side's weights passed to the other thread under sac.parallel_slack=1: version v (after that side's v-th
-    gradient step of the call; 0: before any) lives in slot v % 3 of a ring of copies, with `extra` (the actor's
-    temperature). The reader's step i takes version max(i - 2, 0); the writer overwrites a slot only once the reader
-    has finished the step that read it (step v - 1 read version v - 3), so every read is of the version named."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.slots = [copy.deepcopy(module).requires_grad_(False) for _ in range(3)]
-        self.extra: list = [None] * 3
-        self.cond = threading.Condition()
-        self.published, self.read, self.failed = -1, 0, False
-
-    def publish(self, v: int, module: torch.nn.Module, extra=None) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.failed or self.read >= v - 1)
-            if self.failed:
-                raise _Stopped
-        with torch.no_grad():
-            torch._foreach_copy_(list(self.slots[v % 3].parameters()), [x.detach() for x in module.parameters()])
-        self.extra[v % 3] = extra
-        with self.cond:
-            self.published = v
-            self.cond.notify_all()
-
-    def take(self, step: int):
-        """(the weights, extra) the reader's `step` reads: version max(step - 2, 0)."""
-        v = max(step - 2, 0)
-        with self.cond:
-            self.cond.wait_for(lambda: self.failed or self.published >= v)
-            if self.failed:
-                raise _Stopped
-        return self.slots[v % 3], self.extra[v % 3]
-
-    def finish(self, step: int) -> None:
-        """The reader is done with what its `step` took."""
-        with self.cond:
-            self.read = step
-            self.cond.notify_all()
-
-    def fail(self) -> None:
-        with self.cond:
-            self.failed = True
-            self.cond.notify_all()
 
 
 class SACLearnerWorker(PublishesWeights, Worker):
@@ -184,10 +134,7 @@ class SACLearnerWorker(PublishesWeights, Worker):
         if self.env_steps < starts or len(self.buffer) < min(starts, self.buffer.capacity) or not n:
             return {"sac/updates": 0}
         with self.device_phase("train", step), _intra_op_threads(self._threads):
-            if self.cfg.sac.parallel_slack:
-                done = self._slack_steps(n)
-            else:
-                done = [x for x in (self._update() for _ in range(n)) if x is not None]
+            done = [x for x in (self._update() for _ in range(n)) if x is not None]
         stats = torch.stack(done).mean(0).tolist() if done else [float("nan")] * len(STATS)
         out = {**dict(zip(STATS, stats)), "sac/updates": len(done), "actor/nonfinite_skipped": n - len(done)}
         if not self.cfg.sac.bc_coef:
@@ -235,74 +182,6 @@ class SACLearnerWorker(PublishesWeights, Worker):
         self.actor_opt.step()
         return self._after_step(c_loss, a_loss, bc, alpha, logp, q)
 
-    def _slack_steps(self, n: int) -> list[torch.Tensor]:
-        """sac.parallel_slack=1: n gradient steps, the critics' in this thread and the actor's and temperature's in
-        the pool's, each reading the other side's weights from two steps back (_Versions), so that neither waits
-        unless the other is a whole step behind -> the stats of the steps whose critics' loss was finite. Every
-        minibatch, noise and target subset is drawn first, in the sequential order. A non-finite critics' loss
-        stops the run, or drops the critics' step (actor.nonfinite=skip; the actor's goes on)."""
-        s = self.cfg.sac
-        drawn = []
-        for _ in range(n):
-            b = self._sample(s.batch_size)
-            eps = torch.randn((2, s.batch_size, *self.policy.mu.bias.shape), generator=self.gen)
-            drawn.append((b, eps, self._which()))
-        critics, actor = _Versions(self.critic), _Versions(self.policy)
-        critics.publish(0, self.critic)
-        actor.publish(0, self.policy, self.log_alpha.detach().exp())
-        job = self._pool.submit(self._slack_actor, drawn, critics, actor)
-        mine = []
-        try:
-            for i, (b, eps, which) in enumerate(drawn, 1):
-                policy, alpha = actor.take(i)
-                c_loss, q = self._critic_loss(b, eps[1], alpha, which, policy)
-                actor.finish(i)
-                if self._finite(c_loss):
-                    self.critic_opt.zero_grad()
-                    c_loss.backward()
-                    self.critic_opt.step()
-                    self.updates += 1
-                    if self.updates % s.target_update_interval == 0:
-                        polyak_update(list(self.target.parameters()), list(self.critic.parameters()), s.tau)
-                    mine.append((i, c_loss.detach(), q))
-                critics.publish(i, self.critic)
-        except BaseException:
-            critics.fail()
-            actor.fail()
-            try:
-                job.result()
-            except _Stopped:
-                pass
-            raise
-        theirs = job.result()
-        return [torch.stack([c, theirs[i - 1][0], theirs[i - 1][1], theirs[i - 1][2], q, theirs[i - 1][3]])
-                for i, c, q in mine]
-
-    def _slack_actor(self, drawn: list, critics: _Versions, actor: _Versions) -> list[tuple]:
-        """The pool thread's side of _slack_steps: per step the actor's gradient through the critics of two steps
-        back, the temperature's step, the actor's, then this version's weights for the other side ->
-        [(actor loss, alpha, entropy, bc loss)] per step."""
-        torch.set_num_threads(self._threads)
-        out = []
-        try:
-            for i, (b, eps, _) in enumerate(drawn, 1):
-                nets, _ = critics.take(i)
-                alpha = self.log_alpha.detach().exp()
-                self.actor_opt.zero_grad()
-                pi, logp = self.policy.sample(b["obs"], eps[0])
-                loss, bc = self._actor_objective(b, pi, logp, alpha, nets)
-                torch.autograd.backward(loss + self.cfg.sac.bc_coef * bc, inputs=list(self.policy.parameters()))
-                critics.finish(i)
-                self._temperature_step(logp.detach())
-                self.actor_opt.step()
-                actor.publish(i, self.policy, self.log_alpha.detach().exp())
-                out.append((loss.detach(), alpha, -logp.detach().mean(), bc.detach()))
-        except BaseException:
-            critics.fail()
-            actor.fail()
-            raise
-        return out
-
     def _actor_gradient(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor):
         """The actor's loss and its gradient into the actor's weights only (`inputs=`: the critics' weights get
         none, and are neither written nor differentiated, so the other thread's critic step is untouched)."""
@@ -312,34 +191,27 @@ class SACLearnerWorker(PublishesWeights, Worker):
         torch.autograd.backward(loss + self.cfg.sac.bc_coef * bc, inputs=list(self.policy.parameters()))
         return loss.detach(), bc.detach(), logp.detach()
 
-    def _actor_objective(self, b: dict, pi: torch.Tensor, logp: torch.Tensor, alpha: torch.Tensor, critic=None):
-        """(SAC's actor loss through the critics (`critic`: other weights of them), the BC term): with
-        sac.bc_coef, the squared error of the actor's deterministic action on the minibatch's demonstration rows
-        (its first ones) to the demonstrated action."""
-        loss = actor_loss(logp, (critic or self.critic)(b["obs"], pi), alpha, self.cfg.sac.actor_q)
+    def _actor_objective(self, b: dict, pi: torch.Tensor, logp: torch.Tensor, alpha: torch.Tensor):
+        """(SAC's actor loss through the critics, the BC term): with sac.bc_coef, the squared error of the actor's
+        deterministic action on the minibatch's demonstration rows (its first ones) to the demonstrated action."""
+        loss = actor_loss(logp, self.critic(b["obs"], pi), alpha, self.cfg.sac.actor_q)
         if not self.cfg.sac.bc_coef:
             return loss, torch.zeros(())
         k = self._demo_rows(len(pi))
         mean, _ = self.policy.dist(b["obs"][:k])
         return loss, (torch.tanh(mean) - b["actions"][:k]).pow(2).sum(-1).mean()
 
-    def _critic_loss(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor, which: list[int] | None | str = "draw",
-                     policy=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _critic_loss(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The critics' loss against the soft TD target of the target critics (all, or sac.min_qs of them drawn at
-        random: `which`, drawn here unless given), the next actions from `policy` (other weights of the actor), and
-        the first critic's mean Q."""
+        random), and the first critic's mean Q."""
         with torch.no_grad():
-            next_pi, next_logp = (policy or self.policy).sample(b["next_obs"], eps)
-            which = self._which() if which == "draw" else which
+            next_pi, next_logp = self.policy.sample(b["next_obs"], eps)
+            n, m = self.cfg.sac.n_critics, self.cfg.sac.min_qs
+            which = None if m is None or m == n else torch.randperm(n, generator=self.gen)[:m].tolist()
             y = soft_td_target(b["rewards"], b["terminated"], self.target(b["next_obs"], next_pi, which), next_logp,
                                alpha, self.cfg.algorithm.gamma)
         q = self.critic(b["obs"], b["actions"])
         return critic_loss(q, y), q[0].detach().mean()
-
-    def _which(self) -> list[int] | None:
-        """The target critics a step's TD target takes its min over: all (None), or sac.min_qs drawn at random."""
-        n, m = self.cfg.sac.n_critics, self.cfg.sac.min_qs
-        return None if m is None or m == n else torch.randperm(n, generator=self.gen)[:m].tolist()
 
     def _finite(self, c_loss: torch.Tensor) -> bool:
         """Checked before anything is stepped: a non-finite critics' loss stops the run, or drops this step."""

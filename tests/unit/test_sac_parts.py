@@ -265,67 +265,6 @@ def test_parallel_steps_equal_their_sequential_reference_over_several_steps():
     assert torch.equal(par.buffer.gen.get_state(), ref.buffer.gen.get_state())
 
 
-def test_parallel_slack_reads_the_other_threads_weights_from_two_steps_back():
-    """sac.parallel_slack=1 over 5 steps equals a one-thread reference in which step i's actor gradient goes through
-    the critics after step i-2 and its critics' target takes the next actions and temperature of the actor after
-    step i-2 (the initial ones for steps 1 and 2); the generators end where the sequential step leaves them, and a
-    second run is bit for bit the same."""
-    import copy
-
-    runs = [_pendulum_learner("sac.parallel_update=true", "sac.parallel_slack=1") for _ in range(2)]
-    outs = [learner._updates(0, 5) for learner in runs]
-    assert outs[0] == outs[1] and outs[0]["sac/updates"] == 5
-    assert all(torch.equal(a, b) for a, b in zip(runs[0].policy.parameters(), runs[1].policy.parameters()))
-    ref = _pendulum_learner()
-    critics, actors = [copy.deepcopy(ref.critic)], [(copy.deepcopy(ref.policy), ref.log_alpha.detach().exp())]
-    for i in range(1, 6):
-        b = ref._sample(32)
-        eps = torch.randn((2, 32, 1), generator=ref.gen)
-        old_critic, (old_policy, old_alpha) = critics[max(i - 2, 0)], actors[max(i - 2, 0)]
-        alpha = ref.log_alpha.detach().exp()
-        ref.actor_opt.zero_grad()
-        pi, logp = ref.policy.sample(b["obs"], eps[0])
-        torch.autograd.backward(actor_loss(logp, old_critic(b["obs"], pi), alpha), inputs=list(ref.policy.parameters()))
-        with torch.no_grad():
-            next_pi, next_logp = old_policy.sample(b["next_obs"], eps[1])
-            y = b["rewards"] + ref.cfg.algorithm.gamma * (~b["terminated"]).float() * (
-                ref.target(b["next_obs"], next_pi).min(0).values - old_alpha * next_logp)
-        c_loss = 0.5 * (ref.critic(b["obs"], b["actions"]) - y).pow(2).mean(1).sum()
-        ref.critic_opt.zero_grad()
-        c_loss.backward()
-        ref.critic_opt.step()
-        polyak_update(list(ref.target.parameters()), list(ref.critic.parameters()), ref.cfg.sac.tau)
-        ref._temperature_step(logp)
-        ref.actor_opt.step()
-        critics.append(copy.deepcopy(ref.critic))
-        actors.append((copy.deepcopy(ref.policy), ref.log_alpha.detach().exp()))
-    par = runs[0]
-    for net in ("policy", "critic", "target"):
-        a, w = _weights(getattr(par, net)), _weights(getattr(ref, net))
-        assert all(torch.allclose(a[k], w[k], rtol=1e-5, atol=1e-6) for k in a), net
-    assert par.log_alpha.item() == pytest.approx(ref.log_alpha.item(), rel=1e-6)
-    assert torch.equal(par.gen.get_state(), ref.gen.get_state())
-    assert torch.equal(par.buffer.gen.get_state(), ref.buffer.gen.get_state())
-
-
-@pytest.mark.parametrize("mode", ["stop", "skip"])
-def test_parallel_slack_stops_or_drops_the_critics_step_on_a_non_finite_loss(mode):
-    learner = _pendulum_learner("sac.parallel_update=true", "sac.parallel_slack=1", f"actor.nonfinite={mode}")
-    learner.buffer.data["rewards"][:] = float("nan")
-    critic, target = _weights(learner.critic), _weights(learner.target)
-    if mode == "stop":
-        with pytest.raises(FloatingPointError, match="the critics' loss"):
-            learner._updates(0, 6)
-    else:
-        out = learner._updates(0, 6)
-        assert out["sac/updates"] == 0 and out["actor/nonfinite_skipped"] == 6
-    assert not learner._pool._work_queue.qsize() and learner._pool.submit(lambda: 1).result(timeout=5) == 1
-    assert all(torch.equal(v, learner.critic.state_dict()[k]) for k, v in critic.items())  # the critics never step
-    assert all(torch.equal(v, learner.target.state_dict()[k]) for k, v in target.items())
-    with pytest.raises(C.ConfigError, match="parallel_slack must be 0 or 1, and 1 needs sac.parallel_update=true"):
-        C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.parallel_slack=1"])
-
-
 def test_parallel_update_is_deterministic_and_uses_half_the_threads_in_each_of_its_two():
     runs = []
     for _ in range(2):
