@@ -237,6 +237,7 @@ def test_parallel_update_steps_the_actor_through_the_critics_before_their_update
     assert all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)  # the critics' gradient: their loss's only
                for p, q in zip(par.critic.parameters(), seq.critic.parameters()))
 
+
 def test_parallel_steps_equal_their_sequential_reference_over_several_steps():
     """sac.parallel_update over 3 steps equals a one-thread reference of the same order: the actor's gradient through
     the critics before the step, the critics' step, the temperature's and the actor's, then the targets; with as
