@@ -191,11 +191,7 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
     def __init__(self, cfg, obs_space, action_space):
         self.cfg = cfg
         self.policy = make_policy(cfg, obs_space, action_space).train()
-        if cfg.policy.init:  # e.g. a behaviour-cloned policy; the first weight sync hands it to the rollout
-            load_policy(self.policy, Path(cfg.policy.init))
-            if cfg.policy.init_std_scale != 1.0 and hasattr(self.policy, "log_std"):
-                with torch.no_grad():
-                    self.policy.log_std += math.log(cfg.policy.init_std_scale)
+        start_policy(self.policy, cfg)  # e.g. a behaviour-cloned policy; the first weight sync hands it to the rollout
         torch.distributions.Distribution.set_default_validate_args(False)  # argument checks cost ~10% of a step
         # fused Adam: one kernel per step instead of ~13 small ops per tensor (15% of a small MLP's update on CPU)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.actor.lr, eps=cfg.actor.adam_eps, fused=True)
@@ -270,6 +266,14 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
         self.version = s["version"]
         torch.set_rng_state(s["torch_rng"])
         return self.version
+
+
+def start_policy(policy, cfg) -> None:
+    """policy.init: load that checkpoint's policy, then scale its std by policy.init_std_scale."""
+    if cfg.policy.init:
+        load_policy(policy, Path(cfg.policy.init))
+        if cfg.policy.init_std_scale != 1.0:
+            policy.scale_std(cfg.policy.init_std_scale)
 
 
 def load_policy(policy, directory: Path) -> None:

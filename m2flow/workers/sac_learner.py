@@ -29,7 +29,7 @@ from m2flow.algorithms import actor_loss, critic_loss, polyak_update, soft_td_ta
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.weights import publish
-from m2flow.workers.embodied_actor import load_policy
+from m2flow.workers.embodied_actor import load_policy, start_policy
 from m2flow.workers.guards import nonfinite_update
 from m2flow.workers.policy import make_policy
 from m2flow.workers.sync import PublishesWeights
@@ -63,8 +63,7 @@ class SACLearnerWorker(PublishesWeights, Worker):
                              f"{self.world_size}); place the actor on one device, e.g. 'actor: 0-1:0'")
         self.cfg, s = cfg, cfg.sac
         self.policy = make_policy(cfg, obs_space, action_space).train()
-        if cfg.policy.init:
-            load_policy(self.policy, Path(cfg.policy.init))
+        start_policy(self.policy, cfg)
         dims = math.prod(self.policy.act_shape)
         with torch.random.fork_rng():
             torch.manual_seed(cfg.run.seed + 1)

@@ -94,3 +94,22 @@ def test_the_rlpd_pickcube_preset_trains_sac_on_the_demonstrations_past_success(
     assert [r.get("rollout/episodes", 0) for r in rows] == [0, 8, 0, 8]
     assert all(r["rollout/length"] == 16 for r in rows if r.get("rollout/episodes"))
     assert all(r["sac/bc_loss"] > 0 for r in rows[1:])
+
+
+def test_sac_starts_from_its_own_behaviour_cloned_actor(cluster, tmp_path):
+    """`m2flow sft rlpd_pickcube BC`, then `m2flow train rlpd_pickcube policy.init=BC`: SFT, then RL, as RLinf runs
+    them, with SAC. The squashed actor clones the shipped demonstrations to some held-out success, and the RL run's
+    first episodes, collected with the clone's weights, reach for the cube where a fresh actor's do not."""
+    bc = behaviour_clone(C.load(C.EmbodiedConfig, "rlpd_pickcube", ["eval.episodes=10"]), DEMOS, tmp_path / "bc",
+                         steps=2000, show=False)
+    print(f"\nbehaviour cloning (SAC's actor): {bc['eval']}")
+    assert bc["eval"]["success_rate"] > 0 and bc["eval"]["episodes"] == 10
+    over = [f"run.dir={tmp_path}", "run.progress=false", "run.trace=false", "run.steps=2", "eval.episodes=0",
+            "env.max_episode_steps=16", f"sac.demos={DEMOS}", "sac.demo_episodes=5", "sac.buffer_size=1000"]
+    returns = {}
+    for name, init in (("scratch", []), ("cloned", [f"policy.init={tmp_path / 'bc'}"])):
+        result = train(C.load(C.EmbodiedConfig, "rlpd_pickcube", [*over, f"run.name={name}", *init]), cluster)
+        rows = [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
+        returns[name] = rows[1]["rollout/return"]  # 8 episodes of 16 steps, with the first weights (lag 1)
+    print(f"first episodes' return: {returns}")
+    assert returns["cloned"] > 2 * returns["scratch"], returns

@@ -69,6 +69,55 @@ def test_rl_from_a_cloned_policy_starts_at_its_std_times_init_std_scale(tmp_path
         C.load(C.EmbodiedConfig, "ppo_pickcube", ["policy.init_std_scale=0"])
 
 
+def test_sacs_squashed_actor_clones_a_bang_bang_dimension_at_every_state():
+    """SAC's actor (`m2flow sft` on an algorithm.name=sac config): a dimension demonstrated at its bounds only (a
+    gripper's +-1), its sign set by the state, is fitted at the rare states too (a plain likelihood, whose mean's
+    gradient shrinks with the state's own std, got all 48 "closed" rows wrong here; this fit none), with the log std
+    well inside the clamp; log pi's value is the squashed Gaussian's of the pulled-in action."""
+    from m2flow.algorithms.sac import squashed_gaussian_logprob
+    from m2flow.workloads.embodied.policies import SquashedGaussianActor
+
+    gen = torch.Generator().manual_seed(0)
+    obs = torch.rand(600, 3, generator=gen) * 2 - 1
+    obs = obs[(obs[:, 0] - 0.8).abs() > 0.03][:512]  # a margin at the boundary, which an MLP cannot draw sharp
+    grip = torch.where(obs[:, 0] > 0.8, 1.0, -1.0)  # "closed" on one tenth of the states only
+    data = {"obs": obs, "actions": torch.stack([0.5 * obs[:, 1], grip], 1), "returns": torch.zeros(512)}
+    torch.manual_seed(0)
+    actor = SquashedGaussianActor(3, spaces.Box(-1, 1, (2,)), hidden=(64, 64))
+    fit(actor, data, steps=600, lr=3e-3, vf_coef=0.0)
+    with torch.no_grad():
+        mean, log_std = actor.dist(obs)
+        logprob = actor.evaluate(obs, data["actions"])[0]
+    assert (torch.tanh(mean[:, 1]).sign() != grip).sum() <= 2  # of 512 rows, 48 of them "closed"
+    assert (torch.tanh(mean[:, 0]) - data["actions"][:, 0]).abs().max() < 0.1
+    assert log_std.min() > SquashedGaussianActor.LOG_STD_MIN + 10  # inside the clamp, where SAC can widen it
+    u = torch.atanh(data["actions"].clamp(-SquashedGaussianActor.BC_BOUND, SquashedGaussianActor.BC_BOUND))
+    floored = log_std.clamp(min=np.log(SquashedGaussianActor.BC_STD_MIN))
+    assert logprob.tolist() == pytest.approx(squashed_gaussian_logprob(u, mean, floored).tolist(), rel=1e-5)
+
+
+def test_sac_from_a_cloned_actor_starts_at_its_std_times_init_std_scale(tmp_path):
+    """`policy.init` loads a cloned SAC actor into the learner and `policy.init_std_scale` scales its state-dependent
+    std everywhere (the log std head's bias), leaving its mean as cloned."""
+    from safetensors.torch import save_file
+
+    from m2flow import config as C
+    from m2flow.workers.policy import make_policy
+    from m2flow.workers.sac_learner import SACLearnerWorker
+
+    obs_space, action_space = spaces.Box(-np.inf, np.inf, (42,)), spaces.Box(-1, 1, (4,))
+    cloned = make_policy(C.load(C.EmbodiedConfig, "rlpd_pickcube", []), obs_space, action_space)
+    save_file(cloned.state_dict(), str(tmp_path / "policy.safetensors"))
+    cfg = C.load(C.EmbodiedConfig, "rlpd_pickcube", [f"policy.init={tmp_path}", "policy.init_std_scale=0.5",
+                                                      "sac.demos=''", "sac.bc_coef=0"])
+    learner = SACLearnerWorker(cfg, obs_space, action_space)
+    obs = torch.randn(16, 42)
+    with torch.no_grad():
+        (mean, log_std), (mean0, log_std0) = learner.policy.dist(obs), cloned.dist(obs)
+    assert torch.equal(mean, mean0)
+    assert (log_std - log_std0).flatten().tolist() == pytest.approx([np.log(0.5)] * 64, abs=1e-6)
+
+
 def test_a_behaviour_cloning_term_beside_the_rl_loss_pulls_the_policy_to_the_demonstrations():
     """`actor.bc_coef` (DAPG): every minibatch's loss adds bc_coef x the NLL of demonstrated actions. On a rollout
     with no reward (no advantage: the RL loss moves nothing) the policy's NLL of the demonstrations falls with the
