@@ -1,10 +1,11 @@
 """The manipulation table: per task, behaviour cloning from a few expert demonstrations, then PPO and embodied GRPO
-from that clone, and RLPD-style SAC with those demonstrations in its minibatches (no clone), each scored by the same
-deterministic evaluation (`eval.episodes` held-out seeds, the same seeds for all four). Runs the CLI a user would
+from that clone, RLPD-style SAC with those demonstrations in its minibatches (no clone), and the same SAC started
+from its own actor cloned on them (`rlpd_bc`: SFT, then RL, as RLinf runs them), each scored by the same
+deterministic evaluation (`eval.episodes` held-out seeds, the same seeds for all). Runs the CLI a user would
 (`m2flow demos`, `m2flow sft`, `m2flow train`) and prints every command, so a row is reproduced by pasting them.
 Asserts nothing.
 
-Per task it writes OUT/<task>/row.json: the three success rates, env steps, wall time and env steps/s of each RL
+Per task it writes OUT/<task>/row.json: the success rates, env steps, wall time and env steps/s of each RL
 run (the median of its iterations' `throughput/env_steps_per_s`, with the 1-minute load average sampled while it
 ran) and the sampled success curve (`rollout/success_once` by blocks of 10 iterations). `--summarize` prints the
 table of every row.json under OUT as markdown.
@@ -12,11 +13,12 @@ table of every row.json under OUT as markdown.
     python benchmarks/manipulation.py --tasks metaworld/push-v3                  # one row, ~10 minutes
     python benchmarks/manipulation.py --tasks PushCube-v1 --ppo 'run.steps=40'   # extra overrides per RL run
     python benchmarks/manipulation.py --tasks PushCube-v1 --algos rlpd            # the RLPD column only
+    python benchmarks/manipulation.py --tasks PickCube-v1 --algos rlpd_bc         # RLPD from SAC's own clone
     python benchmarks/manipulation.py --summarize
     python benchmarks/manipulation.py --tasks PickCube-v1 --plans 60               # RLPD's env steps/s per plan
 
-The recipes (RECIPES below) are the ones measured in the README; `--demo-episodes`, `--ppo`, `--grpo` and `--rlpd`
-add to or override them.
+The recipes (RECIPES below) are the ones measured in the README; `--demo-episodes`, `--ppo`, `--grpo`, `--rlpd` and
+`--rlpd_bc` add to or override them.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ RLPD = f"{_SAC} env.kwargs.reward_mode=sparse algorithm.gamma=0.9 sac.gradient_s
 # the sparse recipe plateaued near 40%; PushCube from 2 demonstrations: 82% at 70k, where the sparse one fell to 11%.
 RLPD_DENSE = (f"{_SAC} env.kwargs.ignore_terminations=true algorithm.gamma=0.8 sac.utd=0.5 sac.critic_layernorm=true "
               "run.save_every=100")
-ALGOS = ("ppo", "grpo", "rlpd")
+ALGOS = ("ppo", "grpo", "rlpd", "rlpd_bc")
 
 # task -> preset, demonstrations recorded, demonstrations cloned (few: room for RL), `m2flow sft`'s options, PPO's,
 # GRPO's and RLPD's overrides. PickCube's PPO learns from ManiSkill's sparse reward (success): on the dense one it fell
@@ -66,7 +68,7 @@ RECIPES = {
         grpo="env.kwargs.ignore_terminations=true rollout.steps=100 env.num_envs=16 policy.init_std_scale=0.5 "
              "algorithm.name=grpo env.seed_groups=4 algorithm.vf_coef=0 actor.lr=1e-4 actor.minibatch_size=400 "
              "algorithm.target_kl=0.05 run.steps=30",
-        rlpd=f"{RLPD_DENSE} run.steps=1100"),
+        rlpd=f"{RLPD_DENSE} run.steps=1100", rlpd_bc=f"{RLPD_DENSE} run.steps=1100"),
     "PickCube-v1": dict(
         preset="ppo_pickcube", demos=100, clone=100,
         ppo="env.kwargs.ignore_terminations=true env.kwargs.reward_mode=sparse algorithm.gamma=0.99 "
@@ -76,7 +78,7 @@ RECIPES = {
         grpo="env.kwargs.ignore_terminations=true rollout.steps=100 env.num_envs=64 policy.init_std_scale=0.25 "
              "cluster.placement='env,rollout,actor: 0-1' algorithm.name=grpo env.seed_groups=8 algorithm.vf_coef=0 "
              "actor.lr=3e-5 actor.epochs=4 actor.minibatch_size=1600 algorithm.target_kl=0.02 run.steps=20",
-        rlpd=f"{RLPD_DENSE} run.steps=2100"),
+        rlpd=f"{RLPD_DENSE} run.steps=2100", rlpd_bc=f"{RLPD_DENSE} run.steps=1500"),
     # 79% of the expert's episodes succeed: 150 recorded, 119 cloned; the clone (3%) leaves PPO and GRPO nothing to
     # start from, so the row runs RLPD alone
     "StackCube-v1": dict(preset="ppo_pickcube", demos=150, clone=150, rlpd=f"{RLPD} run.steps=800"),
@@ -182,26 +184,37 @@ def rlpd_plans(task: str, args) -> dict:
 def run_task(task: str, args) -> dict:
     recipe, preset, clone, out, demos = demonstrations(task, args)
     common = [f"env.id={task}", f"eval.episodes={args.episodes}"]
-    bc = out / "bc"
-    sft = [M2FLOW, "sft", preset, str(bc), "--demos", str(demos), "--demo-episodes", str(clone),
-           *shlex.split(recipe.get("sft", "")), *common]
-    sft_cmd = shlex.join(["m2flow", *sft[1:]])
     before = json.loads((out / "row.json").read_text()) if (out / "row.json").exists() else {}
     if before.get("demo_episodes") != clone:
-        before = {}  # a row run before with the same demonstrations keeps its other columns (and its clone)
-    if before.get("commands", {}).get("bc") != sft_cmd or not (bc / "eval.json").exists():
-        sh(sft, out / "bc.log")  # the clone is trained again only when its command changed
-    row = {"task": task, "preset": preset, "demo_episodes": clone,
-           "bc": {"success": json.loads((bc / "eval.json").read_text())["success_rate"]},
-           "commands": {**before.get("commands", {}), "bc": sft_cmd}}
-    row.update({k: before[k] for k in ALGOS if k in before})
+        before = {}  # a row run before with the same demonstrations keeps its other columns (and its clones)
+    row = {"task": task, "preset": preset, "demo_episodes": clone, "commands": {**before.get("commands", {})}}
+
+    def cloned(name: str, overrides: list[str]) -> Path:
+        """`m2flow sft` into OUT/<task>/<name>, trained again only when its command changed; row[name]: success."""
+        sft = [M2FLOW, "sft", preset, str(out / name), "--demos", str(demos), "--demo-episodes", str(clone),
+               *overrides, *common]
+        cmd = shlex.join(["m2flow", *sft[1:]])
+        if before.get("commands", {}).get(name) != cmd or not (out / name / "eval.json").exists():
+            sh(sft, out / f"{name}.log")
+        row[name] = {"success": json.loads((out / name / "eval.json").read_text())["success_rate"]}
+        row["commands"][name] = cmd
+        return out / name
+
+    bc = cloned("bc", shlex.split(recipe.get("sft", "")))
+    row.update({k: before[k] for k in (*ALGOS, "bc_sac") if k in before})
     for name in args.algos.split(","):
         if recipe and name not in recipe and not getattr(args, name):
             print(f"{task}: no {name} recipe (give --{name} to run one)", flush=True)
             continue
         overrides = shlex.split(recipe.get(name, "")) + shlex.split(getattr(args, name))
-        # PPO and GRPO start from the clone; RLPD from scratch, with the clone's demonstrations in its minibatches
-        start = [f"sac.demos={demos}", f"sac.demo_episodes={clone}"] if name == "rlpd" else [f"policy.init={bc}"]
+        # PPO and GRPO start from the clone; RLPD from scratch, with the clone's demonstrations in its minibatches;
+        # rlpd_bc from SAC's own actor cloned on them (the clone's command: the run's policy and algorithm)
+        start = [f"sac.demos={demos}", f"sac.demo_episodes={clone}"] if name.startswith("rlpd") else []
+        if name == "rlpd_bc":
+            sac_policy = [o for o in overrides if o.startswith(("policy.", "algorithm."))]
+            start.append(f"policy.init={cloned('bc_sac', sac_policy)}")
+        elif name != "rlpd":
+            start.append(f"policy.init={bc}")
         cmd = [M2FLOW, "train", preset, *common, *start, f"run.dir={out}", f"run.name={name}", "run.overwrite=true",
                *overrides]
         with LoadSampler() as load:
@@ -213,12 +226,14 @@ def run_task(task: str, args) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    names = {"ppo": "PPO", "grpo": "GRPO", "rlpd": "RLPD"}
+    names = {"ppo": "PPO", "grpo": "GRPO", "rlpd": "RLPD", "rlpd_bc": "RLPD from SAC's clone"}
     lines = ["| task | demos | BC | " + " | ".join(f"+ {n}" for n in names.values()) + " | "
              + " | ".join(f"{n} env steps (s, steps/s, load)" for n in names.values()) + " |",
              "| --- " * (3 + 2 * len(names)) + "|"]
     for r in rows:
         success = [f"{r[k]['success']:.0%}" if k in r else "–" for k in names]
+        if "rlpd_bc" in r:  # beside the clone it started from
+            success[-1] += f" (clone {r['bc_sac']['success']:.0%})"
         cells = [f"{r[k]['env_steps']:,} ({r[k]['wall_s']} s, {r[k]['env_steps_per_s']:.0f}/s, load {r[k]['load']})"
                  if k in r else "–" for k in names]
         lines.append(f"| {r['task']} | {r['demo_episodes']} | {r['bc']['success']:.0%} | {' | '.join(success)} | "
@@ -236,6 +251,7 @@ def main() -> None:
     p.add_argument("--ppo", default="", help="overrides added to PPO's")
     p.add_argument("--grpo", default="", help="overrides added to GRPO's")
     p.add_argument("--rlpd", default="", help="overrides added to RLPD's")
+    p.add_argument("--rlpd_bc", default="", help="overrides added to RLPD's from SAC's clone")
     p.add_argument("--algos", default=",".join(ALGOS), help=f"the RL runs of a row, from {', '.join(ALGOS)}")
     p.add_argument("--summarize", action="store_true", help="print the table of the rows under --out")
     p.add_argument("--plans", type=int, default=0, metavar="N",
