@@ -257,8 +257,8 @@ class SquashedGaussianActor(nn.Module):
 
     LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
     # behaviour cloning's floor on the std of u and margin from the bounds: a demonstrated action at a bound (the
-    # gripper's +-1) is a point mass, whose likelihood would drive the log std to the clamp above, where its gradient
-    # is zero and SAC could never widen it again; fitted at the floor it stays inside and learnable
+    # gripper's +-1) is a point mass, whose likelihood would drive the log std down to the clamp above, where its
+    # gradient is zero and SAC could never widen it again; with the floor the fit stops pulling it at log(0.05)
     BC_STD_MIN, BC_BOUND = 0.05, 1 - 1e-2
 
     def __init__(self, obs_dim: int, action_space: spaces.Space, hidden: tuple[int, ...] = (256, 256),
