@@ -80,8 +80,10 @@ RECIPES = {
              "actor.lr=3e-5 actor.epochs=4 actor.minibatch_size=1600 algorithm.target_kl=0.02 run.steps=20",
         rlpd=f"{RLPD_DENSE} run.steps=2100", rlpd_bc=f"{RLPD_DENSE} run.steps=1500"),
     # 79% of the expert's episodes succeed: 150 recorded, 119 cloned; the clone (3%) leaves PPO and GRPO nothing to
-    # start from, so the row runs RLPD alone
-    "StackCube-v1": dict(preset="ppo_pickcube", demos=150, clone=150, rlpd=f"{RLPD} run.steps=800"),
+    # start from, so the row runs RLPD alone, from scratch and from SAC's clone (the sparse recipe: the dense one fell
+    # to 11% here)
+    "StackCube-v1": dict(preset="ppo_pickcube", demos=150, clone=150, rlpd=f"{RLPD} run.steps=800",
+                         rlpd_bc=f"{RLPD} run.steps=800"),
 }
 
 
