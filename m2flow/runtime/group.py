@@ -462,7 +462,7 @@ class Handle:
         try:
             out = ray.get(self._refs[pos])
         except ray.exceptions.RayActorError as e:
-            where = self.group._where.get(rank, {})
+            where = self.group.process_of(rank)
             cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             error = WorkerError(self.group.component, rank,
                                 f"process died (pid {where.get('pid', '?')} on {where.get('node_ip', '?')}) during "
@@ -609,6 +609,11 @@ class Group:
     @property
     def ranks(self) -> list[int]:
         return list(self._ranks)
+
+    def process_of(self, rank: int) -> dict:
+        """Where `rank`'s process runs, as found when it was placed: {pid, node_ip, port}; {} before that. Read
+        here, not asked of the worker, so it answers while the worker is busy or dead."""
+        return dict(self._where.get(rank, {}))
 
     @classmethod
     def launch(cls, worker_cls: type, cluster: Cluster, placement: ComponentPlacement, *args,

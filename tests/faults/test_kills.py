@@ -83,7 +83,7 @@ def kill_after_checkpoint(run_dir, groups: list[Group], component: str, step: in
         if during and not wait_for(run_dir / "checkpoints" / f"step_{during}.tmp" / writing,
                                    f"checkpoint of step {during}"):
             return
-        pids = [g._where[0]["pid"] for g in list(groups) if g.component == component and 0 in g._where]
+        pids = [g.process_of(0)["pid"] for g in list(groups) if g.component == component and g.process_of(0)]
         if not pids:
             done["error"] = f"the run has no {component} group"
             return

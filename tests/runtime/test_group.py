@@ -158,6 +158,8 @@ def test_process_is_bound_to_its_device(cluster, calc):
         assert info["env"]["RANK"] == str(rank) and info["env"]["WORLD_SIZE"] == "2"
         assert info["env"]["LOCAL_RANK"] == str(rank) and info["env"]["M2FLOW_COMPONENT"] == "calc"
         assert info["pid"] != os.getpid()
+        assert calc.process_of(rank)["pid"] == info["pid"] and calc.process_of(rank)["node_ip"] == info["node_ip"]
+        assert calc.process_of(7) == {}
         assert info["env"]["MASTER_ADDR"] == calc.info().wait()[0]["node_ip"]
         # the process started with every key m2flow sets (set later, a new key reallocates libc's environ array while
         # Ray's threads read it: a worker died of SIGSEGV in getenv)
