@@ -179,14 +179,10 @@ def test_dropping_a_cluster_object_leaves_the_device_locks_working(tmp_path):
 class Gang(Worker):
     """A group whose ranks meet in an all-reduce inside every device phase (as FSDP2's do)."""
 
-    def join(self):
-        self.init_process_group("gloo")
-
     def meet(self, delays):
         import torch
         import torch.distributed as dist
 
-        self.init_process_group("gloo")  # a no-op after join()
         time.sleep(delays[self.rank])
         with self.device_phase("meet"):
             t = torch.ones(1)
@@ -205,7 +201,7 @@ def test_two_groups_meeting_in_collectives_on_the_same_devices_take_turns_as_gro
     z = Turns.launch(cluster, ComponentPlacement("z", ((0,),)))
     try:
         # Joined first: gloo's rendezvous takes a varying time under load, which once let y's entries come first.
-        wait_all([x.join(), y.join()], timeout=60)
+        wait_all([x.init_process_group("gloo"), y.init_process_group("gloo")], timeout=60)
         calls = [x.meet({0: 0.0, 1: 1.5}), y.meet({0: 2.0, 1: 0.5})]
         assert wait_all(calls, timeout=60) == [[2.0, 2.0], [2.0, 2.0]]
         spans = [s for g in (x, y) for s in g.spans(clear=True) if s["phase"] == "meet"]
