@@ -7,6 +7,7 @@ env steps/s, and the mean return of 10 deterministic episodes at the end. Assert
     python benchmarks/sac_vs_sb3.py --steps 10000 --seeds 0 --set sac.learning_starts=1000   # a short look
     python benchmarks/sac_vs_sb3.py --update-only                                  # per gradient step, 1 and 2 threads
     python benchmarks/sac_vs_sb3.py --update-only --critics twin,layernorm,rlpd    # the critics' variants, too
+    python benchmarks/sac_vs_sb3.py --steps 100000 --seeds 1,2 --plans lockstep --no-sb3   # more seeds of one plan
     python benchmarks/sac_vs_sb3.py --summarize
 
 Plans: `lockstep` (env, policy and learner in one process on device 0, `sac.max_policy_lag=0`: SB3's order, one
@@ -16,7 +17,8 @@ overlapping the updates), `parallel` (wide, with `sac.parallel_update=true`: the
 steps at once, one core each), `overlapped` (parallel, with `sac.max_policy_lag=1`: the env and policy collect the
 next steps on device 0 while the learner's two threads update). SB3 runs in its own process with torch's default
 threads (2 here), as a user runs it. `--set` overrides the preset for both libraries (e.g.
-`sac.learning_starts=1000` for a short run). The 1-minute load average is sampled during each run.
+`sac.learning_starts=1000` for a short run); `--no-sb3` runs the m2flow plans only (SB3's runs of those seeds
+already on disk). The 1-minute load average is sampled during each run.
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100_000, help="env steps per run")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--plans", default="lockstep,wide,pipelined", help=f"m2flow plans: {', '.join(PLANS)}")
+    p.add_argument("--no-sb3", action="store_true", help="run the m2flow plans only, not SB3 before them")
     p.add_argument("--out", default="runs/bench/sac_vs_sb3")
     p.add_argument("--set", default="", help="overrides of the preset for both libraries, space-separated")
     p.add_argument("--summarize", action="store_true", help="print the table of the results under --out")
@@ -200,7 +203,7 @@ def main() -> None:
         return
     if not args.summarize:
         for seed in (int(s) for s in args.seeds.split(",")):
-            for runner in ["sb3", *args.plans.split(",")]:
+            for runner in [*([] if args.no_sb3 else ["sb3"]), *args.plans.split(",")]:
                 loads, start = [], time.time()
                 proc = subprocess.Popen([sys.executable, __file__, "--one", runner, "--seed", str(seed),
                                          "--steps", str(args.steps), "--out", str(out), "--set", args.set])
