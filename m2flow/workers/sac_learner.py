@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from m2flow.algorithms import actor_loss, critic_loss, polyak_update, soft_td_target, temperature_loss
+from m2flow.algorithms.sac_grad import critics_action_grad, critics_loss_grads, squashed_grads, squashed_sample
+from m2flow.engines.optim import FusedAdamStep
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.weights import publish
@@ -78,6 +80,9 @@ class SACLearnerWorker(PublishesWeights, Worker):
         self.actor_opt = torch.optim.Adam(self.policy.parameters(), lr=lr, fused=True)
         self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=lr, fused=True)
         self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=lr, fused=True) if self.tuned else None
+        # their steps without Adam.step's per-call bookkeeping (~0.2 ms a call, 3 calls a gradient step)
+        self._actor_step, self._critic_step = FusedAdamStep(self.actor_opt).step, FusedAdamStep(self.critic_opt).step
+        self._alpha_step = FusedAdamStep(self.alpha_opt).step if self.tuned else None
         self.buffer = ReplayBuffer(s.buffer_size, tuple(obs_space.shape), self.policy.act_shape,
                                    seed=cfg.run.seed + 4242)
         self.demos = None
@@ -94,7 +99,29 @@ class SACLearnerWorker(PublishesWeights, Worker):
         if s.parallel_update:  # two threads, each with half the learner's cores for its own ops
             self._threads = max(1, torch.get_num_threads() // 2)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="m2flow-sac-actor")
+        self._manual = self._manual_networks()
         self.version, self.updates, self.env_steps = 0, 0, 0
+
+    def _manual_networks(self) -> dict | None:
+        """sac.grad: the networks as the hand-written gradients read them (their parameters, and their `.grad`
+        tensors, kept from here on, to write into), or None for autograd."""
+        if self.cfg.sac.grad == "autograd" or self.cfg.sac_grad_blockers():  # manual with blockers: a config error
+            return None
+        for p in [*self.policy.parameters(), *self.critic.parameters()]:
+            p.grad = torch.zeros_like(p)
+
+        def layers(seq):
+            return [(m.weight, m.bias) for m in seq.modules() if isinstance(m, torch.nn.Linear)]
+
+        def grads(nets):
+            return [(w.grad, b.grad) for w, b in nets]
+
+        pol = self.policy
+        trunk, heads = layers(pol.trunk), [*layers(pol.mu), *layers(pol.log_std_head)]
+        critics = [(layers(q[0]), layers(q[1])[0]) for q in self.critic.qs]
+        return {"actor": (trunk, *heads), "actor_grads": (grads(trunk), *grads(heads)), "critics": critics,
+                "critic_grads": [(grads(hidden), grads([head])[0]) for hidden, head in critics],
+                "bounds": (pol.LOG_STD_MIN, pol.LOG_STD_MAX)}
 
     def train(self, inp, step: int, producers: int) -> dict:
         """One iteration: take the `producers` env workers' trajectories on `inp` (key: this rank) into the buffer
@@ -147,6 +174,9 @@ class SACLearnerWorker(PublishesWeights, Worker):
         b = self._sample(s.batch_size)
         eps = torch.randn((2, s.batch_size, *self.policy.mu.bias.shape), generator=self.gen)
         alpha = self.log_alpha.detach().exp()  # this step's temperature, before its own update (as SB3)
+        if self._manual is not None:
+            with torch.no_grad():
+                return self._manual_update(b, eps, alpha)
         if self._pool is not None:
             return self._parallel_update(b, eps, alpha)
         pi, logp = self.policy.sample(b["obs"], eps[0])
@@ -156,12 +186,12 @@ class SACLearnerWorker(PublishesWeights, Worker):
         self._temperature_step(logp)
         self.critic_opt.zero_grad()
         c_loss.backward()
-        self.critic_opt.step()
+        self._critic_step()
         self.critic.requires_grad_(False)  # the actor's loss differentiates through the critics, not into them
         a_loss, bc = self._actor_objective(b, pi, logp, alpha)
         self.actor_opt.zero_grad()
         (a_loss + self.cfg.sac.bc_coef * bc).backward()
-        self.actor_opt.step()
+        self._actor_step()
         self.critic.requires_grad_(True)
         return self._after_step(c_loss, a_loss, bc, alpha, logp, q)
 
@@ -177,9 +207,46 @@ class SACLearnerWorker(PublishesWeights, Worker):
         if not self._finite(c_loss):
             return None
         self._temperature_step(logp)
-        self.critic_opt.step()
-        self.actor_opt.step()
+        self._critic_step()
+        self._actor_step()
         return self._after_step(c_loss, a_loss, bc, alpha, logp, q)
+
+    def _manual_update(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
+        """sac.grad=manual: `_update`'s step (or `_parallel_update`'s) with the gradients written out
+        (m2flow.algorithms.sac_grad) into the parameters' kept `.grad` tensors; under no_grad."""
+        m, obs = self._manual, b["obs"].float().flatten(1)
+        if self._pool is not None:  # the actor's gradient through the critics as they are before this step
+            actor = self._pool.submit(self._manual_actor_gradient, obs, eps[0], alpha)
+        else:
+            pi, logp, fwd = squashed_sample(*m["actor"], obs, eps[0], m["bounds"])
+        target = self._td_target(b, eps[1], alpha)
+        c_loss, q = critics_loss_grads(m["critics"], torch.cat([obs, b["actions"]], 1), target, m["critic_grads"])
+        if self._pool is not None:
+            a_loss, logp = actor.result()
+        if not self._finite(c_loss):
+            return None
+        if self.tuned:  # temperature_loss's gradient on log alpha
+            self.log_alpha.grad = -(logp.mean() + self.target_entropy)
+            self._alpha_step()
+        self._critic_step()
+        if self._pool is None:  # SB3's order: the actor's loss through the critics just stepped
+            a_loss = self._manual_actor_grads(obs, pi, logp, fwd, alpha)
+        self._actor_step()
+        return self._after_step(c_loss, a_loss, torch.zeros(()), alpha, logp, q[0].mean())
+
+    def _manual_actor_gradient(self, obs: torch.Tensor, eps: torch.Tensor, alpha: torch.Tensor):
+        """sac.parallel_update's actor thread under sac.grad=manual -> (the actor's loss, log pi)."""
+        torch.set_num_threads(self._threads)
+        with torch.no_grad():
+            pi, logp, fwd = squashed_sample(*self._manual["actor"], obs, eps, self._manual["bounds"])
+            return self._manual_actor_grads(obs, pi, logp, fwd, alpha), logp
+
+    def _manual_actor_grads(self, obs, pi, logp, fwd, alpha) -> torch.Tensor:
+        """The actor's loss (actor_loss) and its gradient into the actor's `.grad`s -> the loss."""
+        m = self._manual
+        score, d_action = critics_action_grad(m["critics"], obs, pi, self.cfg.sac.actor_q)
+        squashed_grads(*m["actor"], obs, fwd, d_action, float(alpha) / len(obs), m["bounds"], m["actor_grads"])
+        return (alpha * logp - score).mean()
 
     def _actor_gradient(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor):
         """The actor's loss and its gradient into the actor's weights only (`inputs=`: the critics' weights get
@@ -201,16 +268,19 @@ class SACLearnerWorker(PublishesWeights, Worker):
         return loss, (torch.tanh(mean) - b["actions"][:k]).pow(2).sum(-1).mean()
 
     def _critic_loss(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The critics' loss against the soft TD target of the target critics (all, or sac.min_qs of them drawn at
-        random), and the first critic's mean Q."""
-        with torch.no_grad():
-            next_pi, next_logp = self.policy.sample(b["next_obs"], eps)
-            n, m = self.cfg.sac.n_critics, self.cfg.sac.min_qs
-            which = None if m is None or m == n else torch.randperm(n, generator=self.gen)[:m].tolist()
-            y = soft_td_target(b["rewards"], b["terminated"], self.target(b["next_obs"], next_pi, which), next_logp,
-                               alpha, self.cfg.algorithm.gamma)
+        """The critics' loss against the soft TD target, and the first critic's mean Q."""
+        y = self._td_target(b, eps, alpha)
         q = self.critic(b["obs"], b["actions"])
         return critic_loss(q, y), q[0].detach().mean()
+
+    @torch.no_grad()
+    def _td_target(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """The soft TD target [B] of the target critics (all, or sac.min_qs of them drawn at random)."""
+        next_pi, next_logp = self.policy.sample(b["next_obs"], eps)
+        n, m = self.cfg.sac.n_critics, self.cfg.sac.min_qs
+        which = None if m is None or m == n else torch.randperm(n, generator=self.gen)[:m].tolist()
+        return soft_td_target(b["rewards"], b["terminated"], self.target(b["next_obs"], next_pi, which), next_logp,
+                              alpha, self.cfg.algorithm.gamma)
 
     def _finite(self, c_loss: torch.Tensor) -> bool:
         """Checked before anything is stepped: a non-finite critics' loss stops the run, or drops this step."""
@@ -224,7 +294,7 @@ class SACLearnerWorker(PublishesWeights, Worker):
         if self.tuned:
             self.alpha_opt.zero_grad()
             temperature_loss(self.log_alpha, logp, self.target_entropy).backward()
-            self.alpha_opt.step()
+            self._alpha_step()
 
     def _after_step(self, c_loss, a_loss, bc, alpha, logp, q) -> torch.Tensor:
         """Count the step, move the target critics every target_update_interval steps -> the step's stats."""

@@ -174,3 +174,21 @@ def test_sac_critic_layernorm_and_ensemble_run_through_the_flow_and_change_the_c
     assert {k.split(".")[2] for k in nets if k.startswith(("critic.qs", "target.qs"))} == {"0", "1", "2", "3", "4"}
     losses = [r["sac/critic_loss"] for r in rows(ens)][1:]
     assert all(x == x for x in losses) and losses != [r["sac/critic_loss"] for r in plain][1:]
+
+
+def test_sac_grad_manual_trains_as_autograd_does_and_refuses_networks_it_cannot_take(cluster, tmp_path):
+    """sac.grad=manual (the hand-written gradients) reaches the learner in both update orders: its losses part from
+    autograd's by float rounding only, so they are not bit for bit the same but agree to 1e-4."""
+    common = ["policy.hidden=[32,32]", "run.steps=4", "sac.learning_starts=64", "eval.episodes=0"]
+    for extra in ([], ["sac.parallel_update=true"]):
+        manual, auto = (train(cfg_for(tmp_path, f"{grad}{len(extra)}", f"sac.grad={grad}", *common, *extra), cluster)
+                        for grad in ("manual", "autograd"))
+        for key in ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/q_mean"):
+            a, b = [r[key] for r in rows(manual)[1:]], [r[key] for r in rows(auto)[1:]]
+            assert a == pytest.approx(b, rel=1e-4, abs=1e-6), key
+        wa, wb = (load_file(f"{r['checkpoint']}/policy.safetensors") for r in (manual, auto))
+        assert all(torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-5) for k in wa)
+        assert not all(torch.equal(wa[k], wb[k]) for k in wa)  # computed apart
+    with pytest.raises(C.ConfigError, match="sac.grad=manual writes out the gradients of ReLU MLPs only, but "
+                                            "sac.critic_layernorm is on: use sac.grad=auto or autograd"):
+        cfg_for(tmp_path, "ln", "sac.grad=manual", "sac.critic_layernorm=true")

@@ -266,18 +266,19 @@ def test_parallel_steps_equal_their_sequential_reference_over_several_steps():
     assert torch.equal(par.buffer.gen.get_state(), ref.buffer.gen.get_state())
 
 
-def test_parallel_update_is_deterministic_and_uses_half_the_threads_in_each_of_its_two():
+@pytest.mark.parametrize("grad, thread_fn", [("autograd", "_actor_gradient"), ("manual", "_manual_actor_gradient")])
+def test_parallel_update_is_deterministic_and_uses_half_the_threads_in_each_of_its_two(grad, thread_fn):
     runs = []
     for _ in range(2):
-        learner = _pendulum_learner("sac.parallel_update=true")
-        threads, seen, gradient = torch.get_num_threads(), [], learner._actor_gradient
+        learner = _pendulum_learner("sac.parallel_update=true", f"sac.grad={grad}")
+        threads, seen, gradient = torch.get_num_threads(), [], getattr(learner, thread_fn)
 
         def watched(*args):
             out = gradient(*args)
             seen.append((threading.get_ident(), torch.get_num_threads()))
             return out
 
-        learner._actor_gradient = watched
+        setattr(learner, thread_fn, watched)
         out = learner._updates(0, 20)
         assert torch.get_num_threads() == threads  # restored after the updates
         assert learner._threads == max(1, threads // 2)

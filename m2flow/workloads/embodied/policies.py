@@ -143,11 +143,13 @@ class ActorCritic(nn.Module):
 def _mlp(in_dim: int, hidden: tuple[int, ...], activation: type[nn.Module], ortho: bool = True,
          layernorm: bool = False) -> nn.Sequential:
     """Linear (+ LayerNorm) + activation layers: orthogonal init (gain sqrt 2), or torch's default (`ortho=False`:
-    SB3's off-policy networks)."""
+    SB3's off-policy networks). ReLU works in place, on the layer's own output (which no backward needs): one
+    activation tensor a layer instead of two, so the next op reads memory still in cache."""
     layers, d = [], in_dim
     for h in hidden:
         layers += [_linear(d, h, gain=math.sqrt(2)) if ortho else nn.Linear(d, h),
-                   *([nn.LayerNorm(h)] if layernorm else []), activation()]
+                   *([nn.LayerNorm(h)] if layernorm else []), activation(inplace=True) if activation is nn.ReLU
+                   else activation()]
         d = h
     return nn.Sequential(*layers)
 

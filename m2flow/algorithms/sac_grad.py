@@ -1,0 +1,139 @@
+"""SAC's gradients written out by hand for ReLU MLPs (the critics' loss into the critics' weights; the actor's loss
+through the critics' action input into the actor's weights), as `sac.manual_grad` computes them instead of
+autograd. The same math as m2flow.algorithms.sac's losses (tests/unit/test_sac_grad.py checks every gradient against
+autograd's): on a 256x256 SAC step the graph's bookkeeping, its zeroed gradients and the ReLU masks autograd saves
+are a tenth of the step, and the matmuls (which both pay alike) most of the rest.
+
+A network is plain tensors: `hidden`, a list of (weight [out, in], bias [out]) pairs, each layer followed by a ReLU,
+then its head(s). Gradients are written into caller-given tensors (a parameter's `.grad`), not accumulated. Pure
+tensor functions: run them under torch.no_grad().
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from .sac import squashed_gaussian_logprob
+
+Layer = tuple[torch.Tensor, torch.Tensor]  # (weight [out, in], bias [out])
+
+
+class Squashed(NamedTuple):
+    """What the actor's backward needs of its forward: the trunk's activations, the raw log std (before the
+    clamp), the std, the noise and the action tanh(u)."""
+    hs: list[torch.Tensor]
+    log_std_raw: torch.Tensor
+    std: torch.Tensor
+    eps: torch.Tensor
+    action: torch.Tensor
+
+
+def relu_forward(hidden: Sequence[Layer], x: torch.Tensor) -> list[torch.Tensor]:
+    """x [B, in] -> every hidden layer's ReLU output, [B, width] each (the last is the features the heads read)."""
+    hs = []
+    for w, b in hidden:
+        x = torch.addmm(b, x, w.t()).relu_()
+        hs.append(x)
+    return hs
+
+
+def relu_backward(hidden: Sequence[Layer], x: torch.Tensor, hs: Sequence[torch.Tensor], d_out: torch.Tensor,
+                  grads: Sequence[Layer] | None = None, input_cols: slice | None = None) -> torch.Tensor | None:
+    """Back through `relu_forward(hidden, x)` from d_out (the loss's gradient on its last output, before that ReLU's
+    mask): the weights' and biases' gradients into `grads` (a (weight, bias) pair of tensors a layer; None: not
+    wanted), and -> the gradient on x's columns `input_cols` (None: not wanted)."""
+    d = torch.ops.aten.threshold_backward(d_out, hs[-1], 0.0)
+    for j in range(len(hidden) - 1, -1, -1):
+        w = hidden[j][0]
+        below = hs[j - 1] if j else x
+        if grads is not None:
+            torch.mm(d.t(), below, out=grads[j][0])
+            torch.sum(d, 0, out=grads[j][1])
+        if j:
+            d = torch.ops.aten.threshold_backward(torch.mm(d, w), hs[j - 1], 0.0)
+        elif input_cols is not None:
+            return torch.mm(d, w[:, input_cols])
+    return None
+
+
+def head_grads(head: Layer, grads: Layer, h: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """A linear head's weight and bias gradients from its output's gradient d [B, out] and its input h, into
+    `grads` -> the gradient on h."""
+    torch.mm(d.t(), h, out=grads[0])
+    torch.sum(d, 0, out=grads[1])
+    return torch.mm(d, head[0])
+
+
+def critic_forward(hidden: Sequence[Layer], head: Layer, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One critic on x = [obs, action] -> (Q [B], its hidden activations)."""
+    hs = relu_forward(hidden, x)
+    return torch.addmm(head[1], hs[-1], head[0].t()).squeeze(1), hs
+
+
+def critics_loss_grads(critics: Sequence[tuple[Sequence[Layer], Layer]], x: torch.Tensor, target: torch.Tensor,
+                       grads: Sequence[tuple[Sequence[Layer], Layer]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """m2flow.algorithms.critic_loss of the critics on x against the soft TD target [B], and its gradient into every
+    critic's (hidden, head) `grads` -> (the loss, Q [n, B])."""
+    n_rows, qs, loss = len(target), [], torch.zeros(())
+    for (hidden, head), (g_hidden, g_head) in zip(critics, grads):
+        q, hs = critic_forward(hidden, head, x)
+        err = q - target
+        loss = loss + 0.5 * err.pow(2).mean()
+        d_h = head_grads(head, g_head, hs[-1], (err / n_rows).unsqueeze(1))
+        relu_backward(hidden, x, hs, d_h, g_hidden)
+        qs.append(q)
+    return loss, torch.stack(qs)
+
+
+def critics_action_grad(critics: Sequence[tuple[Sequence[Layer], Layer]], obs: torch.Tensor, action: torch.Tensor,
+                        reduce: str = "min") -> tuple[torch.Tensor, torch.Tensor]:
+    """The critics' score of (obs, action) as m2flow.algorithms.actor_loss reads it (their min, or mean), and
+    -d mean(score) / d action: the actor's loss's gradient on its action from the critics (whose weights get none)
+    -> (score [B], that gradient [B, A])."""
+    x = torch.cat([obs, action], 1)
+    runs = [critic_forward(hidden, head, x) for hidden, head in critics]
+    q = torch.stack([r[0] for r in runs])
+    n, n_rows = len(runs), len(obs)
+    if reduce == "min":
+        score, pick = q.min(0)
+        weights = [(pick == i).to(q.dtype).mul_(-1.0 / n_rows) for i in range(n)]
+    else:
+        score, weights = q.mean(0), [torch.full_like(q[0], -1.0 / (n * n_rows))] * n
+    grad = torch.zeros_like(action)
+    cols = slice(obs.shape[1], x.shape[1])
+    for (hidden, head), (_, hs), w in zip(critics, runs, weights):
+        grad += relu_backward(hidden, x, hs, torch.mm(w.unsqueeze(1), head[0]), input_cols=cols)
+    return score, grad
+
+
+def squashed_sample(hidden: Sequence[Layer], mu: Layer, log_std: Layer, obs: torch.Tensor, eps: torch.Tensor,
+                    log_std_bounds: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor, Squashed]:
+    """The squashed-Gaussian actor's reparameterized sample, as SquashedGaussianActor.sample computes it ->
+    (tanh(u) [B, A], log pi [B], what `squashed_grads` needs)."""
+    hs = relu_forward(hidden, obs)
+    mean = torch.addmm(mu[1], hs[-1], mu[0].t())
+    raw = torch.addmm(log_std[1], hs[-1], log_std[0].t())
+    clamped = raw.clamp(*log_std_bounds)
+    std = clamped.exp()
+    u = torch.addcmul(mean, std, eps)
+    action = torch.tanh(u)
+    return action, squashed_gaussian_logprob(u, mean, clamped), Squashed(hs, raw, std, eps, action)
+
+
+def squashed_grads(hidden: Sequence[Layer], mu: Layer, log_std: Layer, obs: torch.Tensor, fwd: Squashed,
+                   d_action: torch.Tensor, d_logp: float, log_std_bounds: tuple[float, float],
+                   grads: tuple[Sequence[Layer], Layer, Layer]) -> None:
+    """The gradient of a loss into the actor's weights (`grads`: (hidden, mu, log std) as the layers), from its
+    gradient on the action d_action [B, A] and on log pi (the same d_logp for every row). With u = mean + std eps:
+    d log pi / d u = 2 tanh(u) (the tanh's log-determinant; the Gaussian's term is a function of eps alone), and
+    d log pi / d log std = -1 beside its path through u; the clamp passes gradient inside its bounds only."""
+    a = fwd.action
+    d_u = d_action * (1.0 - a * a) + (2.0 * d_logp) * a
+    d_raw = (d_u * fwd.std * fwd.eps - d_logp) * ((fwd.log_std_raw >= log_std_bounds[0])
+                                                   & (fwd.log_std_raw <= log_std_bounds[1]))
+    g_hidden, g_mu, g_log_std = grads
+    d_h = head_grads(mu, g_mu, fwd.hs[-1], d_u)
+    d_h += head_grads(log_std, g_log_std, fwd.hs[-1], d_raw)
+    relu_backward(hidden, obs, fwd.hs, d_h, g_hidden)

@@ -1,0 +1,80 @@
+"""SAC's hand-written gradients (m2flow.algorithms.sac_grad) against autograd's on the same networks and losses."""
+
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+
+from m2flow.algorithms import actor_loss, critic_loss
+from m2flow.algorithms.sac_grad import critics_action_grad, critics_loss_grads, squashed_grads, squashed_sample
+from m2flow.workloads.embodied import Critics
+from m2flow.workloads.embodied.policies import SquashedGaussianActor
+
+OBS, ACT, ROWS = 5, 3, 32
+
+
+def _layers(seq):
+    linears = [m for m in seq.modules() if isinstance(m, torch.nn.Linear)]
+    return [(m.weight, m.bias) for m in linears]
+
+
+def _critic_nets(critics):
+    return [(_layers(q[0]), (q[1].weight, q[1].bias)) for q in critics.qs]
+
+
+def _empty_like(nets):
+    return [([(torch.empty_like(w), torch.empty_like(b)) for w, b in hidden], tuple(map(torch.empty_like, head)))
+            for hidden, head in nets]
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_critics_loss_gradient_equals_autograds(n):
+    torch.manual_seed(0)
+    critics = Critics(OBS, ACT, (16, 8), n=n)
+    obs, act, y = torch.randn(ROWS, OBS), torch.rand(ROWS, ACT) * 2 - 1, torch.randn(ROWS)
+    ref = critic_loss(critics(obs, act), y)
+    ref.backward()
+    grads = _empty_like(_critic_nets(critics))
+    with torch.no_grad():
+        loss, q = critics_loss_grads(_critic_nets(critics), torch.cat([obs, act], 1), y, grads)
+    _close(loss, ref.detach())
+    _close(q, critics(obs, act).detach())
+    for (hidden, head), (g_hidden, g_head) in zip(_critic_nets(critics), grads):
+        for (w, b), (gw, gb) in zip([*hidden, head], [*g_hidden, g_head]):
+            _close(gw, w.grad)
+            _close(gb, b.grad)
+
+
+@pytest.mark.parametrize("reduce", ["min", "mean"])
+def test_actor_loss_gradient_through_the_critics_equals_autograds(reduce):
+    torch.manual_seed(1)
+    box = spaces.Box(-2.0, np.array([2.0, 1.0, 3.0], np.float32))
+    actor, critics = SquashedGaussianActor(OBS, box, (16, 8)), Critics(OBS, ACT, (16, 8), n=3)
+    with torch.no_grad():  # some log stds past the clamp's bounds, where no gradient passes
+        actor.log_std_head.bias.copy_(torch.tensor([-25.0, 0.0, 6.0]))
+    obs, eps, alpha = torch.randn(ROWS, OBS), torch.randn(ROWS, ACT), 0.3
+    critics.requires_grad_(False)
+    pi, logp = actor.sample(obs, eps)
+    ref = actor_loss(logp, critics(obs, pi), alpha, reduce)
+    ref.backward()
+    bounds = (actor.LOG_STD_MIN, actor.LOG_STD_MAX)
+    trunk, mu, log_std = _layers(actor.trunk), (actor.mu.weight, actor.mu.bias), (actor.log_std_head.weight,
+                                                                                 actor.log_std_head.bias)
+    grads = ([(torch.empty_like(w), torch.empty_like(b)) for w, b in trunk], tuple(map(torch.empty_like, mu)),
+             tuple(map(torch.empty_like, log_std)))
+    with torch.no_grad():
+        action, logp2, fwd = squashed_sample(trunk, mu, log_std, obs, eps, bounds)
+        score, d_action = critics_action_grad(_critic_nets(critics), obs, action, reduce)
+        loss = (alpha * logp2 - score).mean()
+        squashed_grads(trunk, mu, log_std, obs, fwd, d_action, alpha / ROWS, bounds, grads)
+    _close(action, pi.detach())
+    _close(logp2, logp.detach())
+    _close(loss, ref.detach())
+    assert grads[2][1][0] == 0 and grads[2][1][2] == 0 and grads[2][1][1] != 0  # clamped units get no gradient
+    for (w, b), (gw, gb) in zip([*trunk, mu, log_std], [*grads[0], grads[1], grads[2]]):
+        _close(gw, w.grad)
+        _close(gb, b.grad)
