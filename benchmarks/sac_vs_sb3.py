@@ -99,8 +99,8 @@ CRITICS = {"twin": [], "layernorm": ["sac.critic_layernorm=true"],  # --update-o
 
 def update_only(threads: int, rounds: int = 5, n: int = 64, critics: tuple[str, ...] = ("twin",)) -> str:
     """Per gradient step on the same kind of data (20k random transitions in each library's buffer): m2flow's
-    `SACLearnerWorker._update` (each of `critics`' variants; twin also with sac.parallel_update) against SB3's
-    `SAC.train`, interleaved, `rounds` rounds of `n` steps, medians."""
+    `SACLearnerWorker._update` (each of `critics`' variants; twin also with sac.grad=autograd and with
+    sac.parallel_update) against SB3's `SAC.train`, interleaved, `rounds` rounds of `n` steps, medians."""
     import gymnasium as gym
     import numpy as np
     import torch
@@ -119,10 +119,11 @@ def update_only(threads: int, rounds: int = 5, n: int = 64, critics: tuple[str, 
             "next_obs": torch.randn(size, *obs), "terminated": torch.zeros(size, dtype=torch.bool)}
     learners = {}
     variants = [(f"m2flow {c}" if c != "twin" else "m2flow", CRITICS[c]) for c in critics]
-    if "twin" in critics:
-        variants.append(("m2flow parallel", ["sac.parallel_update=true"]))
+    if "twin" in critics:  # sac.grad=auto is manual for these networks; autograd beside it
+        variants += [("m2flow autograd", ["sac.grad=autograd"]), ("m2flow parallel", ["sac.parallel_update=true"]),
+                     ("m2flow parallel autograd", ["sac.parallel_update=true", "sac.grad=autograd"])]
     for name, extra in variants:
-        if name == "m2flow parallel" and threads < 2:
+        if "parallel" in name and threads < 2:
             continue  # two threads of one core each: nothing to run them on
         its = C.load(C.EmbodiedConfig, PRESET, ["sac.buffer_size=100000", *SETTINGS, *extra])
         learners[name] = SACLearnerWorker(its, env.observation_space, env.action_space)
