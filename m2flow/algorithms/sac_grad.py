@@ -1,8 +1,9 @@
 """SAC's gradients written out by hand for ReLU MLPs (the critics' loss into the critics' weights; the actor's loss
-through the critics' action input into the actor's weights), as `sac.manual_grad` computes them instead of
+through the critics' action input into the actor's weights), as `sac.grad=manual` computes them instead of
 autograd. The same math as m2flow.algorithms.sac's losses (tests/unit/test_sac_grad.py checks every gradient against
-autograd's): on a 256x256 SAC step the graph's bookkeeping, its zeroed gradients and the ReLU masks autograd saves
-are a tenth of the step, and the matmuls (which both pay alike) most of the rest.
+autograd's). On a 256x256 SAC step, autograd's graph bookkeeping and the fresh tensors it allocates for every
+intermediate and gradient take 13-18% of the step (`benchmarks/sac_vs_sb3.py --update-only`). The matmuls, which
+both paths pay alike, take most of the rest.
 
 A network is plain tensors: `hidden`, a list of (weight [out, in], bias [out]) pairs, each layer followed by a ReLU,
 then its head(s). Gradients are written into caller-given tensors (a parameter's `.grad`), not accumulated. Pure
