@@ -873,7 +873,7 @@ class SACConfig:
                                    "of them (SB3)")
     actor_q: str = opt("min", "the actor's loss scores its actions with the critics' min (SB3) or mean (REDQ, RLPD)")
     grad: str = opt("auto", "how a gradient step differentiates its losses: manual (SAC's gradients written out for "
-                            "ReLU MLPs: no autograd graph; ~10% less time a step on CPU, equal to autograd's to "
+                            "ReLU MLPs: no autograd graph; 13-18% less time a step on CPU, equal to autograd's to "
                             "float rounding) | autograd | auto (manual where the networks allow it: a ReLU "
                             "SquashedGaussian MLP actor, critics without LayerNorm, bc_coef 0)")
     save_buffer: str = opt("latest", "which checkpoints hold the replay buffer: latest (the newest complete one; an "
