@@ -73,13 +73,19 @@ def critic_forward(hidden: Sequence[Layer], head: Layer, x: torch.Tensor) -> tup
     return torch.addmm(head[1], hs[-1], head[0].t()).squeeze(1), hs
 
 
+def critics_forward(critics: Sequence[tuple[Sequence[Layer], Layer]], x: torch.Tensor):
+    """Every critic's `critic_forward` on x -> a (Q [B], hidden activations) pair a critic."""
+    return [critic_forward(hidden, head, x) for hidden, head in critics]
+
+
 def critics_loss_grads(critics: Sequence[tuple[Sequence[Layer], Layer]], x: torch.Tensor, target: torch.Tensor,
-                       grads: Sequence[tuple[Sequence[Layer], Layer]]) -> tuple[torch.Tensor, torch.Tensor]:
+                       grads: Sequence[tuple[Sequence[Layer], Layer]], runs=None) -> tuple[torch.Tensor, torch.Tensor]:
     """m2flow.algorithms.critic_loss of the critics on x against the soft TD target [B], and its gradient into every
-    critic's (hidden, head) `grads` -> (the loss, Q [n, B])."""
+    critic's (hidden, head) `grads` -> (the loss, Q [n, B]). `runs`: `critics_forward(critics, x)` when it was
+    already taken (before the target was known)."""
     n_rows, qs, loss = len(target), [], torch.zeros(())
-    for (hidden, head), (g_hidden, g_head) in zip(critics, grads):
-        q, hs = critic_forward(hidden, head, x)
+    runs = critics_forward(critics, x) if runs is None else runs
+    for (hidden, head), (g_hidden, g_head), (q, hs) in zip(critics, grads, runs):
         err = q - target
         loss = loss + 0.5 * err.pow(2).mean()
         d_h = head_grads(head, g_head, hs[-1], (err / n_rows).unsqueeze(1))
@@ -94,7 +100,7 @@ def critics_action_grad(critics: Sequence[tuple[Sequence[Layer], Layer]], obs: t
     -d mean(score) / d action: the actor's loss's gradient on its action from the critics (whose weights get none)
     -> (score [B], that gradient [B, A])."""
     x = torch.cat([obs, action], 1)
-    runs = [critic_forward(hidden, head, x) for hidden, head in critics]
+    runs = critics_forward(critics, x)
     q = torch.stack([r[0] for r in runs])
     n, n_rows = len(runs), len(obs)
     if reduce == "min":

@@ -19,14 +19,15 @@ import copy
 import math
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from m2flow.algorithms import actor_loss, critic_loss, polyak_update, soft_td_target, temperature_loss
-from m2flow.algorithms.sac_grad import critics_action_grad, critics_loss_grads, squashed_grads, squashed_sample
+from m2flow.algorithms.sac_grad import (critics_action_grad, critics_forward, critics_loss_grads, squashed_grads,
+                                        squashed_sample)
 from m2flow.engines.optim import FusedAdamStep
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
@@ -100,6 +101,7 @@ class SACLearnerWorker(PublishesWeights, Worker):
             self._threads = max(1, torch.get_num_threads() // 2)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="m2flow-sac-actor")
         self._manual = self._manual_networks()
+        self._polyak_pairs = (list(self.target.parameters()), list(self.critic.parameters()))  # updated in place
         self.version, self.updates, self.env_steps = 0, 0, 0
 
     def _manual_networks(self) -> dict | None:
@@ -212,39 +214,73 @@ class SACLearnerWorker(PublishesWeights, Worker):
         return self._after_step(c_loss, a_loss, bc, alpha, logp, q)
 
     def _manual_update(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
-        """sac.grad=manual: `_update`'s step (or `_parallel_update`'s) with the gradients written out
-        (m2flow.algorithms.sac_grad) into the parameters' kept `.grad` tensors; under no_grad."""
+        """sac.grad=manual: `_update`'s step with the gradients written out (m2flow.algorithms.sac_grad) into the
+        parameters' kept `.grad` tensors; under no_grad."""
+        if self._pool is not None:
+            return self._manual_parallel_update(b, eps, alpha)
         m, obs = self._manual, b["obs"].float().flatten(1)
-        if self._pool is not None:  # the actor's gradient through the critics as they are before this step
-            actor = self._pool.submit(self._manual_actor_gradient, obs, eps[0], alpha)
-        else:
-            pi, logp, fwd = squashed_sample(*m["actor"], obs, eps[0], m["bounds"])
+        pi, logp, fwd = squashed_sample(*m["actor"], obs, eps[0], m["bounds"])
         target = self._td_target(b, eps[1], alpha)
         c_loss, q = critics_loss_grads(m["critics"], torch.cat([obs, b["actions"]], 1), target, m["critic_grads"])
-        if self._pool is not None:
-            a_loss, logp = actor.result()
         if not self._finite(c_loss):
             return None
-        if self.tuned:  # temperature_loss's gradient on log alpha
-            self.log_alpha.grad = -(logp.mean() + self.target_entropy)
-            self._alpha_step()
+        self._manual_temperature_step(logp)
         self._critic_step()
-        if self._pool is None:  # SB3's order: the actor's loss through the critics just stepped
-            a_loss = self._manual_actor_grads(obs, pi, logp, fwd, alpha)
+        a_loss = self._manual_actor_grads(obs, pi, logp, fwd, alpha)  # SB3's order: through the critics just stepped
         self._actor_step()
         return self._after_step(c_loss, a_loss, torch.zeros(()), alpha, logp, q[0].mean())
 
-    def _manual_actor_gradient(self, obs: torch.Tensor, eps: torch.Tensor, alpha: torch.Tensor):
-        """sac.parallel_update's actor thread under sac.grad=manual -> (the actor's loss, log pi)."""
-        torch.set_num_threads(self._threads)
-        with torch.no_grad():
-            pi, logp, fwd = squashed_sample(*self._manual["actor"], obs, eps, self._manual["bounds"])
-            return self._manual_actor_grads(obs, pi, logp, fwd, alpha), logp
+    def _manual_parallel_update(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
+        """`_parallel_update`'s step under sac.grad=manual. The pool's thread samples the next observations' actions
+        (for the TD target), then takes the actor's gradient through the critics as they are before this step; once
+        it has read the critics, this thread, done with their gradient, steps the temperature, the critics and the
+        targets while the pool's thread finishes the actor's gradient; then the actor steps."""
+        m, obs = self._manual, b["obs"].float().flatten(1)
+        x = torch.cat([obs, b["actions"]], 1)
+        nxt, read = Future(), Future()
+        actor = self._pool.submit(self._manual_actor_gradient, obs, b["next_obs"], eps, alpha, nxt, read)
+        try:
+            runs = critics_forward(m["critics"], x)  # while the next actions are sampled
+            target = self._td_target(b, eps[1], alpha, nxt.result())
+            c_loss, q = critics_loss_grads(m["critics"], x, target, m["critic_grads"], runs)
+            if not self._finite(c_loss):
+                actor.result()
+                return None
+            logp = read.result()  # the actor's log pi, once the pool's thread is done with the critics' weights
+            self._manual_temperature_step(logp)
+            self._critic_step()
+            self._move_targets()
+        except BaseException:
+            actor.result()  # the pool's thread's own error first, when it had one; never left running
+            raise
+        a_loss = actor.result()
+        self._actor_step()
+        return self._stats(c_loss, a_loss, torch.zeros(()), alpha, logp, q[0].mean())
 
-    def _manual_actor_grads(self, obs, pi, logp, fwd, alpha) -> torch.Tensor:
-        """The actor's loss (actor_loss) and its gradient into the actor's `.grad`s -> the loss."""
+    def _manual_actor_gradient(self, obs, next_obs, eps, alpha, nxt: Future, read: Future) -> torch.Tensor:
+        """sac.parallel_update's pool thread under sac.grad=manual: the next observations' actions and their log pi
+        into `nxt`, then the actor's gradient, with its log pi into `read` once the critics' weights are read ->
+        the actor's loss."""
+        torch.set_num_threads(self._threads)
+        actor, bounds = self._manual["actor"], self._manual["bounds"]
+        with torch.no_grad():
+            try:
+                nxt.set_result(squashed_sample(*actor, next_obs.float().flatten(1), eps[1], bounds)[:2])
+                pi, logp, fwd = squashed_sample(*actor, obs, eps[0], bounds)
+                return self._manual_actor_grads(obs, pi, logp, fwd, alpha, read)
+            except BaseException as e:  # nothing left waiting on what this thread never gave
+                for f in (nxt, read):
+                    if not f.done():
+                        f.set_exception(e)
+                raise
+
+    def _manual_actor_grads(self, obs, pi, logp, fwd, alpha, read: Future | None = None) -> torch.Tensor:
+        """The actor's loss (actor_loss) and its gradient into the actor's `.grad`s -> the loss. `read`: given
+        log pi once the critics' weights are no longer read."""
         m = self._manual
         score, d_action = critics_action_grad(m["critics"], obs, pi, self.cfg.sac.actor_q)
+        if read is not None:
+            read.set_result(logp)
         squashed_grads(*m["actor"], obs, fwd, d_action, float(alpha) / len(obs), m["bounds"], m["actor_grads"])
         return (alpha * logp - score).mean()
 
@@ -274,9 +310,11 @@ class SACLearnerWorker(PublishesWeights, Worker):
         return critic_loss(q, y), q[0].detach().mean()
 
     @torch.no_grad()
-    def _td_target(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-        """The soft TD target [B] of the target critics (all, or sac.min_qs of them drawn at random)."""
-        next_pi, next_logp = self.policy.sample(b["next_obs"], eps)
+    def _td_target(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor, sample=None) -> torch.Tensor:
+        """The soft TD target [B] of the target critics (all, or sac.min_qs of them drawn at random), at the actor's
+        actions on the next observations: `sample` (next actions, their log pi) when taken already, else drawn here
+        with the noise eps."""
+        next_pi, next_logp = self.policy.sample(b["next_obs"], eps) if sample is None else sample
         n, m = self.cfg.sac.n_critics, self.cfg.sac.min_qs
         which = None if m is None or m == n else torch.randperm(n, generator=self.gen)[:m].tolist()
         return soft_td_target(b["rewards"], b["terminated"], self.target(b["next_obs"], next_pi, which), next_logp,
@@ -296,11 +334,24 @@ class SACLearnerWorker(PublishesWeights, Worker):
             temperature_loss(self.log_alpha, logp, self.target_entropy).backward()
             self._alpha_step()
 
+    def _manual_temperature_step(self, logp: torch.Tensor) -> None:
+        if self.tuned:  # temperature_loss's gradient on log alpha
+            self.log_alpha.grad = -(logp.mean() + self.target_entropy)
+            self._alpha_step()
+
     def _after_step(self, c_loss, a_loss, bc, alpha, logp, q) -> torch.Tensor:
-        """Count the step, move the target critics every target_update_interval steps -> the step's stats."""
+        """After the critics stepped: move the targets -> the step's stats."""
+        self._move_targets()
+        return self._stats(c_loss, a_loss, bc, alpha, logp, q)
+
+    def _move_targets(self) -> None:
+        """Count the step, move the target critics every target_update_interval steps."""
         self.updates += 1
         if self.updates % self.cfg.sac.target_update_interval == 0:
-            polyak_update(list(self.target.parameters()), list(self.critic.parameters()), self.cfg.sac.tau)
+            polyak_update(*self._polyak_pairs, self.cfg.sac.tau)
+
+    @staticmethod
+    def _stats(c_loss, a_loss, bc, alpha, logp, q) -> torch.Tensor:
         return torch.stack([c_loss.detach(), a_loss.detach(), alpha, -logp.detach().mean(), q, bc.detach()])
 
     def _sample(self, n: int) -> dict[str, torch.Tensor]:

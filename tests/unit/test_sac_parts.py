@@ -14,6 +14,7 @@ from gymnasium import spaces
 from m2flow import config as C
 from m2flow.algorithms import actor_loss, polyak_update, squashed_gaussian_logprob
 from m2flow.workers.policy import make_policy, sample_actions, uniform_actions
+from m2flow.workers import sac_learner
 from m2flow.workers.sac_learner import SACLearnerWorker
 from m2flow.workloads.embodied import Critics, SquashedGaussianActor, Trajectory
 from m2flow.workloads.embodied.bc import demo_transitions
@@ -287,6 +288,24 @@ def test_parallel_update_is_deterministic_and_uses_half_the_threads_in_each_of_i
     assert runs[0][0] == runs[1][0] and runs[0][0]["sac/updates"] == 20
     for i in (1, 2):
         assert all(torch.equal(runs[0][i][k], runs[1][i][k]) for k in runs[0][i])
+
+
+def test_an_error_in_the_actor_thread_surfaces_from_the_update_and_leaves_the_pool_usable(monkeypatch):
+    """sac.grad=manual's parallel step: the critics' thread waits on the actor's thread for the next actions; when
+    that thread fails first, its error surfaces from the update (no wait left hanging) and the next update runs."""
+    learner = _pendulum_learner("sac.parallel_update=true", "sac.grad=manual")
+    sample = sac_learner.squashed_sample
+
+    def broken(*args):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("the actor's forward broke")
+        return sample(*args)
+
+    monkeypatch.setattr(sac_learner, "squashed_sample", broken)
+    with pytest.raises(RuntimeError, match="the actor's forward broke"):
+        learner._updates(0, 1)
+    monkeypatch.setattr(sac_learner, "squashed_sample", sample)
+    assert learner._updates(0, 2)["sac/updates"] == 2
 
 
 @pytest.mark.parametrize("parallel", [False, True])
