@@ -58,7 +58,6 @@ def train(config: Any, overrides: list[str] | None = None, cluster=None) -> Trai
     flow: the one `cluster.placement` names, or with `auto` the fastest the planner predicts from a profile of this
     run's components (profile.json, plan_candidates.txt and, after training, plan_report.json in the run directory)."""
     from m2flow import config as C
-    from m2flow.flows import embodied, reasoning
     from m2flow.flows.outputs import run_dir_claimed
     from m2flow.preflight import preflight
     from m2flow.runtime import Cluster
@@ -76,7 +75,12 @@ def train(config: Any, overrides: list[str] | None = None, cluster=None) -> Trai
             from m2flow.planning.auto import choose_plan
 
             cfg, plan = choose_plan(cfg, cluster, cfg.run.path)
-        out = (reasoning if reasoning_run else embodied).train(cfg, cluster, plan)
+        # the run's flow alone: the reasoning flow's imports (transformers) take seconds an embodied run never needs
+        if reasoning_run:
+            from m2flow.flows import reasoning as flow
+        else:
+            from m2flow.flows import embodied as flow
+        out = flow.train(cfg, cluster, plan)
         if auto:
             from m2flow.planning.auto import write_plan_report
 
