@@ -168,9 +168,12 @@ def table(results: list[dict]) -> str:
     issue's target reads the wall time's: at most 0.67), over the seeds SB3 also ran."""
     sb3 = {r["seed"]: r for r in results if r["runner"] == "sb3"}
 
+    def median(values, digits=0):  # "-" where no run has the figure (JSON written before train_s was)
+        values = list(values)
+        return f"{statistics.median(values):.{digits}f}" if values else "-"
+
     def ratio(rs, key):
-        ratios = [r[key] / sb3[r["seed"]][key] for r in rs if r["seed"] in sb3 and key in sb3[r["seed"]]]
-        return f"{statistics.median(ratios):.2f}" if ratios else "-"
+        return median((r[key] / sb3[r["seed"]][key] for r in rs if key in r and key in sb3.get(r["seed"], {})), 2)
 
     lines = ["| runner | seeds | env steps | wall s (median) | wall / SB3's (median) | train s (median) | train / SB3's "
              "(median) | env steps/s in training (median) | return (median of seeds) | load |",
@@ -178,8 +181,8 @@ def table(results: list[dict]) -> str:
     for runner in dict.fromkeys(r["runner"] for r in results):
         rs = [r for r in results if r["runner"] == runner]
         lines.append(f"| {runner} | {', '.join(str(r['seed']) for r in rs)} | {rs[0]['env_steps']:,} | "
-                     f"{statistics.median(r['wall_s'] for r in rs):.0f} | {ratio(rs, 'wall_s')} | "
-                     f"{statistics.median(r['train_s'] for r in rs):.0f} | {ratio(rs, 'train_s')} | "
+                     f"{median(r['wall_s'] for r in rs)} | {ratio(rs, 'wall_s')} | "
+                     f"{median(r['train_s'] for r in rs if 'train_s' in r)} | {ratio(rs, 'train_s')} | "
                      f"{statistics.median(r['env_steps_per_s'] for r in rs):.0f} | "
                      f"{statistics.median(r['return_mean'] for r in rs):.0f} | "
                      f"{', '.join(r.get('load', '?') for r in rs)} |")
