@@ -183,8 +183,7 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {runner} | {', '.join(str(r['seed']) for r in rs)} | {rs[0]['env_steps']:,} | "
                      f"{median(r['wall_s'] for r in rs)} | {ratio(rs, 'wall_s')} | "
                      f"{median(r['train_s'] for r in rs if 'train_s' in r)} | {ratio(rs, 'train_s')} | "
-                     f"{statistics.median(r['env_steps_per_s'] for r in rs):.0f} | "
-                     f"{statistics.median(r['return_mean'] for r in rs):.0f} | "
+                     f"{median(r['env_steps_per_s'] for r in rs)} | {median(r['return_mean'] for r in rs)} | "
                      f"{', '.join(r.get('load', '?') for r in rs)} |")
     return "\n".join(lines)
 
