@@ -65,8 +65,24 @@ class ClusterConfig:
                                      "components exceeds cluster.device_memory_gb, or the auto plan offloads)")
     device_memory_gb: float = opt(0.0, "memory of one device, for offload=auto (0: unknown, offload only where the "
                                        "auto plan does)")
+    foreground: str | list[str] | None = opt(None, "components whose processes keep their CPU priority while every "
+                                                   "other process of the run on the driver's node (the other workers, "
+                                                   "the driver, the Ray daemons m2flow started) runs at nice 19, e.g. "
+                                                   "'actor' or [env, actor]; None: all alike")
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("rollout", "reward", "inference", "actor", "critic", "tool")
+
+    def foreground_components(self) -> list[str]:
+        """`foreground` as a list of component names ([] when off)."""
+        if self.foreground is None:
+            return []
+        names = self.foreground.split(",") if isinstance(self.foreground, str) else self.foreground
+        return [n.strip() for n in names if n.strip()]
 
     def validate(self, where: str) -> None:
+        unknown = [n for n in self.foreground_components() if n not in self.COMPONENTS]
+        if unknown:
+            raise ConfigError(f"{where}.foreground names {', '.join(unknown)}: expected components of this flow "
+                              f"({', '.join(self.COMPONENTS)})")
         if self.offload not in (True, False, "auto"):
             raise ConfigError(f"{where}.offload must be true | false | auto, got {self.offload!r}")
         if self.device_memory_gb < 0:
@@ -683,6 +699,7 @@ class EmbodiedClusterConfig(ClusterConfig):
     placement: Any = opt("env,rollout,actor: 0", "component -> devices: 'env,rollout,actor: 0' (collocated, lockstep), "
                          "'env: 0; rollout: 1; actor: 0-1:0' (hybrid), 'env: 0-1; rollout,actor: 0' (two env workers), "
                          "'auto' (profile, then the fastest predicted placement and env.pipeline_stages)")
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("env", "rollout", "actor")
 
     def validate(self, where: str) -> None:
         super().validate(where)

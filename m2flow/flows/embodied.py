@@ -22,7 +22,7 @@ import yaml
 from m2flow import config as C
 from m2flow.config import EmbodiedConfig
 from m2flow.flows.outputs import RunDir, latest_checkpoint, progress, run_dir_claimed
-from m2flow.runtime import Channel, Cluster, launch_all, running, wait_all
+from m2flow.runtime import Channel, Cluster, foreground, launch_all, running, wait_all
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import ExecutionPlan, make_plan
@@ -100,7 +100,8 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
 
     last, step, saved = {}, start, None
     try:
-        with running(groups):  # released after a run that went well, killed if it raises
+        # released after a run that went well, killed if it raises; cluster.foreground's components get the CPU first
+        with running(groups), foreground(cluster, groups, cfg.cluster.foreground_components()):
             with progress(cfg.run.progress) as bar:
                 task = bar.add_task(f"{cfg.algorithm.name} {cfg.env.id}", total=cfg.run.steps, completed=start, info="")
                 for step in range(start, cfg.run.steps):

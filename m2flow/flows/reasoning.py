@@ -19,7 +19,8 @@ from m2flow import config as C
 from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
 from m2flow.flows.outputs import RunDir, idle_metrics, offload_metrics, progress, run_dir_claimed
-from m2flow.runtime import Channel, Cluster, gather_spans, launch_all, launch_cohosted, running, wait_all
+from m2flow.runtime import (Channel, Cluster, foreground, gather_spans, launch_all, launch_cohosted, running,
+                            wait_all)
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import ExecutionPlan, make_plan
@@ -91,7 +92,8 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
              for i in range(lag + 1)]
 
     try:
-        with running(groups):  # released after a run that went well, killed if a step raises
+        # released after a run that went well, killed if a step raises; cluster.foreground's components get the CPU first
+        with running(groups), foreground(cluster, groups, cfg.cluster.foreground_components()):
             start = 0
             if cfg.run.resume and (found := run.latest_checkpoint()):
                 start, ckpt = found

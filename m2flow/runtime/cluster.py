@@ -143,6 +143,11 @@ class Cluster:
                                    num_gpus=num_gpus, devices=list(range(first, len(self.devices)))))
 
     @property
+    def started_ray(self) -> bool:
+        """Whether this Cluster started the Ray instance it uses (a local one, ended by `shutdown`)."""
+        return self._started
+
+    @property
     def num_devices(self) -> int:
         return len(self.devices)
 
@@ -160,6 +165,10 @@ class Cluster:
     def started_process(self, actor, role: tuple[str, int]) -> None:
         """Note the role (component, rank) a new worker process was started (and Ray-named) for."""
         self._roles[actor._actor_id] = role
+
+    def not_for_reuse(self, actor) -> None:
+        """Have this worker process ended, not kept, when its group is released (e.g. left at a low priority)."""
+        self._roles.pop(actor._actor_id, None)
 
     def take_idle_process(self, key: tuple, role: tuple[str, int]):
         """An idle worker process kept under `key` (see `keep_idle_process`) that was started for `role`, or None."""

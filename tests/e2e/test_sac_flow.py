@@ -192,3 +192,58 @@ def test_sac_grad_manual_trains_as_autograd_does_and_refuses_networks_it_cannot_
     with pytest.raises(C.ConfigError, match="sac.grad=manual writes out the gradients of ReLU MLPs only, but "
                                             "sac.critic_layernorm is on: use sac.grad=auto or autograd"):
         cfg_for(tmp_path, "ln", "sac.grad=manual", "sac.critic_layernorm=true")
+
+
+def _nice_by_title() -> dict[str, tuple[int, list[int]]]:
+    """title -> (pid, nice of each thread) of every m2flow worker process on this machine (by its `m2flow:` title)."""
+    import os
+
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            title = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode(errors="replace").strip()
+            if title.startswith("m2flow:"):
+                out[title] = (int(pid), [os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")])
+        except OSError:  # gone meanwhile
+            pass
+    return out
+
+
+def test_cluster_foreground_keeps_the_learner_at_its_priority_and_lowers_the_rest_for_the_run(cluster, tmp_path):
+    """cluster.foreground=actor: while the run goes, the learner's threads stay at nice 0 and the env worker's and the
+    driver's are at 19; afterwards every one is back at 0 (the env worker's process is kept for the next run)."""
+    import os
+    import threading
+
+    seen, stop = [], threading.Event()
+
+    def sample():
+        while not stop.wait(0.1):
+            seen.append((os.getpriority(os.PRIO_PROCESS, os.getpid()), _nice_by_title()))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = train(cfg_for(tmp_path, "fg", "cluster.placement=env,rollout: 0; actor: 1", "cluster.foreground=actor",
+                               "sac.max_policy_lag=1", "policy.hidden=[32,32]", "run.steps=24",
+                               "sac.learning_starts=64", "eval.episodes=0"), cluster)
+    finally:
+        stop.set()
+        sampler.join()
+    assert result["iterations"] == 24
+    during = [titles for driver, titles in seen if driver == 19 and "m2flow:actor:0" in titles
+              and "m2flow:env:0+rollout:0" in titles]
+    assert len(during) >= 3, f"{len(seen)} samples, {len(during)} with the driver at nice 19"
+    for titles in during:
+        assert set(titles["m2flow:actor:0"][1]) == {0}, titles
+        assert set(titles["m2flow:env:0+rollout:0"][1]) == {19}, titles
+    assert os.getpriority(os.PRIO_PROCESS, os.getpid()) == 0  # the driver's main thread
+    env_pid = during[-1]["m2flow:env:0+rollout:0"][0]
+    after = [os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{env_pid}/task")]
+    assert set(after) == {0}, after  # kept idle for reuse, at its old priority
+
+
+def test_cluster_foreground_must_name_components_of_the_flow(tmp_path):
+    with pytest.raises(C.ConfigError, match=r"cluster.foreground names critic: expected components of this flow "
+                                            r"\(env, rollout, actor\)"):
+        cfg_for(tmp_path, "bad", "cluster.foreground=[actor, critic]")
