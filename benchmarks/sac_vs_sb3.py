@@ -17,7 +17,8 @@ core), `wide` (the learner one process over both devices' cores, 2 threads; env 
 `pipelined` (the preset's: env and policy on device 0, the learner on device 1, `sac.max_policy_lag=1`, collection
 overlapping the updates), `parallel` (wide, with `sac.parallel_update=true`: the critics' and the actor's gradient
 steps at once, one core each), `overlapped` (parallel, with `sac.max_policy_lag=1`: the env and policy collect the
-next steps on device 0 while the learner's two threads update). SB3 runs in its own process with torch's default
+next steps on device 0 while the learner's two threads update). Every plan keeps the preset's
+`cluster.foreground=actor` (the run's other processes at nice 19). SB3 runs in its own process with torch's default
 threads (2 here), as a user runs it. `--set` overrides the preset for both libraries (e.g.
 `sac.learning_starts=1000` for a short run); `--no-sb3` runs the m2flow plans only (SB3's runs of those seeds
 already on disk). The 1-minute load average is sampled during each run.

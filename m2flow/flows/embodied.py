@@ -22,7 +22,7 @@ import yaml
 from m2flow import config as C
 from m2flow.config import EmbodiedConfig
 from m2flow.flows.outputs import RunDir, latest_checkpoint, progress, run_dir_claimed
-from m2flow.runtime import Channel, Cluster, foreground, launch_all, running, wait_all
+from m2flow.runtime import Channel, Cluster, Group, foreground, launch_all, running, wait_all
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import ExecutionPlan, make_plan
@@ -70,16 +70,21 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
 
     # created before the workers, so that its process starts while theirs do (else the first put waits ~0.5 s for it)
     trajectories = Channel.create(f"{run.path.resolve()}:{time.time_ns()}/trajectories")
-    sac = cfg.algorithm.name == "sac"
+    learner = SACLearnerWorker if cfg.algorithm.name == "sac" else EmbodiedActorWorker
+    # processes of their own start while the env worker is built (they are built from the env's spaces)
+    started = [None if cohost else Group.start(PolicyWorker, cluster, plan["rollout"]),
+               None if actor_cohost else Group.start(learner, cluster, plan["actor"])]
     try:
         env = EnvWorker.launch(cluster, plan["env"], cfg, run_dir=str(run.path))
         obs_space, action_space = env.on(0).spaces().wait()[0]
-        learner = SACLearnerWorker if sac else EmbodiedActorWorker
         rollout, actor = launch_all(cluster, [(PolicyWorker, plan["rollout"], (cfg, obs_space, action_space)),
                                               (learner, plan["actor"], (cfg, obs_space, action_space))],
-                                    run_dir=str(run.path),
+                                    run_dir=str(run.path), started=started,
                                     host_with=[env if cohost else None, env if actor_cohost else None])
     except BaseException:
+        for group in started:
+            if group is not None:
+                group.kill()
         trajectories.destroy()
         raise
     groups = [env, rollout, actor]

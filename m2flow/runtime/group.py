@@ -553,24 +553,31 @@ def gather_spans(groups: Sequence["Group"], clear: bool = False) -> list[dict]:
 
 
 def launch_all(cluster: Cluster, specs: Sequence[tuple], run_dir: str | None = None,
-               env: dict[str, str] | None = None, host_with: Sequence["Group | None"] | None = None) -> list["Group"]:
+               env: dict[str, str] | None = None, host_with: Sequence["Group | None"] | None = None,
+               started: Sequence["Group | None"] | None = None) -> list["Group"]:
     """Launch several groups at once: every process starts, then every constructor runs, concurrently (a flow's
     start-up costs its slowest group, not the sum). `specs`: (worker_cls, placement, args[, kwargs]) per group;
-    `host_with[i]`, where given, is a running group whose processes host group i (see the module doc). Returns the
-    groups in that order; if any rank fails to start or construct, all are killed and that WorkerError (naming the
-    component and rank) is raised."""
+    `host_with[i]`, where given, is a running group whose processes host group i (see the module doc);
+    `started[i]`, where given, is group i's processes asked for earlier (`Group.start`), e.g. while the caller built
+    what its constructor needs. Returns the groups in that order; if any rank fails to start or construct, all are
+    killed and that WorkerError (naming the component and rank) is raised."""
     hosts = list(host_with) if host_with is not None else [None] * len(specs)
-    if len(hosts) != len(specs):
-        raise ValueError(f"launch_all: host_with has {len(hosts)} entries for {len(specs)} specs")
+    early = list(started) if started is not None else [None] * len(specs)
+    if len(hosts) != len(specs) or len(early) != len(specs):
+        raise ValueError(f"launch_all: host_with and started need one entry per spec ({len(specs)}), got "
+                         f"{len(hosts)} and {len(early)}")
     groups: list[Group] = []
     try:
-        for spec, host in zip(specs, hosts):
-            groups.append(Group._start(spec[0], cluster, spec[1], env, host))
+        for spec, host, group in zip(specs, hosts, early):
+            if group is not None and (group.worker_cls is not spec[0] or group.placement != spec[1] or host):
+                raise ValueError(f"launch_all: the started group {group} is not {spec[0].__name__} on "
+                                 f"{spec[1].component}'s placement, or is also given a host")
+            groups.append(group or Group.start(spec[0], cluster, spec[1], env, host))
         handles = [g._construct(cluster, run_dir, tuple(spec[2]), dict(spec[3]) if len(spec) > 3 else {})
                    for g, spec in zip(groups, specs)]
         wait_all(handles)
     except BaseException:
-        for g in groups:
+        for g in dict.fromkeys([*groups, *(g for g in early if g is not None)]):
             g.kill()
         raise
     return groups
@@ -626,9 +633,10 @@ class Group:
                           host_with=[host_with])[0]
 
     @classmethod
-    def _start(cls, worker_cls: type, cluster: Cluster, placement: ComponentPlacement,
-               env: dict[str, str] | None, host_with: "Group | None" = None) -> "Group":
-        """Ask Ray for one process per rank on its devices' node (returns at once; nothing is constructed yet)."""
+    def start(cls, worker_cls: type, cluster: Cluster, placement: ComponentPlacement,
+              env: dict[str, str] | None = None, host_with: "Group | None" = None) -> "Group":
+        """Ask Ray for one process per rank on its devices' node and return at once: nothing is constructed yet
+        (`launch_all(..., started=[group])` does that). The processes start while the caller goes on."""
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"Group.launch: worker_cls must be a Worker subclass, got {worker_cls!r}")
         if not isinstance(placement, ComponentPlacement):

@@ -282,6 +282,41 @@ def test_launch_all_builds_groups_together_and_names_a_failing_rank(cluster):
                              (BadInit, ComponentPlacement("bad", ((1,),)), ())])
 
 
+def test_a_group_started_early_is_built_in_the_processes_it_started(cluster):
+    """Group.start asks for the processes at once; launch_all(started=...) builds the workers in them, and refuses a
+    started group of another class or placement (ending it and the others)."""
+    early = Group.start(Calc, cluster, ComponentPlacement("early", ((0,), (1,))))
+    (group,) = launch_all(cluster, [(Calc, ComponentPlacement("early", ((0,), (1,))), (5,))], started=[early])
+    try:
+        assert group is early and group.add(1).wait() == [6, 7]
+        assert [i["pid"] for i in group.info().wait()] == [group.process_of(r)["pid"] for r in (0, 1)]
+    finally:
+        release_all([group])
+    other = Group.start(Calc, cluster, ComponentPlacement("other", ((0,),)))
+    with pytest.raises(ValueError, match="the started group .* is not Calc on wrong's placement"):
+        launch_all(cluster, [(Calc, ComponentPlacement("wrong", ((1,),)), (1,))], started=[other])
+    with pytest.raises(WorkerError, match="process died"):
+        other.add(1).wait(timeout=30)
+
+
+def test_foreground_lowers_the_other_groups_processes_for_the_block_only(cluster):
+    from m2flow.runtime import foreground
+
+    front, back = launch_all(cluster, [(Calc, ComponentPlacement("front", ((0,),)), (0,)),
+                                       (Calc, ComponentPlacement("back", ((1,),)), (0,))])
+    try:
+        with pytest.raises(ValueError, match=r"cluster.foreground names \['middle'\], which this run does not launch"):
+            with foreground(cluster, [front, back], ["middle"]):
+                pass
+        with foreground(cluster, [front, back], ["front"]):
+            assert front.niceness().wait() == [0] and back.niceness().wait() == [19]
+            assert os.getpriority(os.PRIO_PROCESS, os.getpid()) == 19  # the driver
+        assert front.niceness().wait() == [0] and back.niceness().wait() == [0]
+        assert os.getpriority(os.PRIO_PROCESS, os.getpid()) == 0
+    finally:
+        release_all([front, back])
+
+
 def test_sigkill_surfaces_as_worker_error_and_wait_all_fails_fast(cluster):
     victims = Victim.launch(cluster, ComponentPlacement("victim", ((0,), (1,))))
     try:
