@@ -115,7 +115,7 @@ def foreground(cluster: Cluster, groups: Sequence[Group], components: Sequence[s
 
     def lower() -> None:
         pids = {driver} | set(ranks) | (_descendants(driver) if cluster.started_ray else set())
-        for pid in sorted(pids - front):
+        for pid in sorted(pids - front, key=lambda p: p == driver):  # the driver last (so it is lowered once all are)
             nice = process_nice(pid) if pid not in old else old[pid]
             if nice is None or nice >= BACKGROUND_NICE:
                 continue
@@ -136,7 +136,8 @@ def foreground(cluster: Cluster, groups: Sequence[Group], components: Sequence[s
     finally:
         stop.set()
         thread.join()
-        for pid, nice in old.items():
+        for pid in sorted(old, key=lambda p: p != driver):  # the driver first (so it is restored before any other)
+            nice = old[pid]
             if _set_threads(pid, nice):
                 continue
             for g, rank in ranks.get(pid, []):  # not to host the next run at this priority

@@ -203,7 +203,8 @@ def _nice_by_title() -> dict[str, tuple[int, list[int]]]:
         try:
             title = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode(errors="replace").strip()
             if title.startswith("m2flow:"):
-                out[title] = (int(pid), [os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")])
+                tids = os.listdir(f"/proc/{pid}/task")
+                out[title] = (int(pid), [os.getpriority(os.PRIO_PROCESS, int(t)) for t in tids])
         except OSError:  # gone meanwhile
             pass
     return out
@@ -217,9 +218,10 @@ def test_cluster_foreground_keeps_the_learner_at_its_priority_and_lowers_the_res
 
     seen, stop = [], threading.Event()
 
-    def sample():
+    def sample():  # foreground lowers the driver after every other process, and restores it before them
         while not stop.wait(0.1):
-            seen.append((os.getpriority(os.PRIO_PROCESS, os.getpid()), _nice_by_title()))
+            before, titles = os.getpriority(os.PRIO_PROCESS, os.getpid()), _nice_by_title()
+            seen.append((min(before, os.getpriority(os.PRIO_PROCESS, os.getpid())), titles))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()

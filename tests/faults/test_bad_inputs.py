@@ -45,6 +45,8 @@ CASES = [
                                                                                          "| skip"),
     ("resume and overwrite", ["train", "grpo_arithmetic", "run.resume=true", "run.overwrite=true"],
      "config error: run.resume and run.overwrite are both true"),
+    ("foreground not a component", ["train", "sac_pendulum", "cluster.foreground=learner"],
+     "config error: cluster.foreground names learner: expected components of this flow (env, rollout, actor)"),
     ("file task without a file", ["train", "grpo_arithmetic", "data.task=file"], "config error: data.path is required "
                                                                                  "when data.task=file"),
     ("no envs", ["train", "ppo_cartpole", "env.num_envs=0"], "config error: env.num_envs must be >= 1, got 0"),
