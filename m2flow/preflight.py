@@ -79,7 +79,8 @@ def _placement(cfg) -> None:
     devices = None if cfg.cluster.address else local_devices(cfg.cluster.cpu_devices)
     if spec == "auto" or devices is None:
         return
-    components = ["env", "rollout", "actor"] if isinstance(cfg, C.EmbodiedConfig) else C.reasoning_components(cfg)
+    embodied = isinstance(cfg, C.EmbodiedConfig)
+    components = list(C.EmbodiedClusterConfig.COMPONENTS) if embodied else C.reasoning_components(cfg)
     try:
         placed = parse_placement(spec, devices, components)
     except PlacementError as e:

@@ -33,7 +33,7 @@ from m2flow.workers.sac_learner import REPLAY_FILE, SACLearnerWorker
 from m2flow.workers.sync import finish_sync, start_sync, sync_weights
 from m2flow.workloads.embodied import maniskill
 
-COMPONENTS = ["env", "rollout", "actor"]
+COMPONENTS = list(C.EmbodiedClusterConfig.COMPONENTS)  # env, rollout, actor
 PLOTS = {
     "return": ["rollout/return", "rollout/return_window", "eval/return_mean"],
     "success": ["rollout/success_once"],
