@@ -73,13 +73,16 @@ def critic_forward(hidden: Sequence[Layer], head: Layer, x: torch.Tensor) -> tup
     return torch.addmm(head[1], hs[-1], head[0].t()).squeeze(1), hs
 
 
-def critics_forward(critics: Sequence[tuple[Sequence[Layer], Layer]], x: torch.Tensor):
+def critics_forward(critics: Sequence[tuple[Sequence[Layer], Layer]],
+                    x: torch.Tensor) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     """Every critic's `critic_forward` on x -> a (Q [B], hidden activations) pair a critic."""
     return [critic_forward(hidden, head, x) for hidden, head in critics]
 
 
 def critics_loss_grads(critics: Sequence[tuple[Sequence[Layer], Layer]], x: torch.Tensor, target: torch.Tensor,
-                       grads: Sequence[tuple[Sequence[Layer], Layer]], runs=None) -> tuple[torch.Tensor, torch.Tensor]:
+                       grads: Sequence[tuple[Sequence[Layer], Layer]],
+                       runs: Sequence[tuple[torch.Tensor, list[torch.Tensor]]] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """m2flow.algorithms.critic_loss of the critics on x against the soft TD target [B], and its gradient into every
     critic's (hidden, head) `grads` -> (the loss, Q [n, B]). `runs`: `critics_forward(critics, x)` when it was
     already taken (before the target was known)."""

@@ -71,10 +71,11 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
     # created before the workers, so that its process starts while theirs do (else the first put waits ~0.5 s for it)
     trajectories = Channel.create(f"{run.path.resolve()}:{time.time_ns()}/trajectories")
     learner = SACLearnerWorker if cfg.algorithm.name == "sac" else EmbodiedActorWorker
-    # processes of their own start while the env worker is built (they are built from the env's spaces)
-    started = [None if cohost else Group.start(PolicyWorker, cluster, plan["rollout"]),
-               None if actor_cohost else Group.start(learner, cluster, plan["actor"])]
+    started: list[Group | None] = [None, None]
     try:
+        # processes of their own start while the env worker is built (they are built from the env's spaces)
+        started[0] = None if cohost else Group.start(PolicyWorker, cluster, plan["rollout"])
+        started[1] = None if actor_cohost else Group.start(learner, cluster, plan["actor"])
         env = EnvWorker.launch(cluster, plan["env"], cfg, run_dir=str(run.path))
         obs_space, action_space = env.on(0).spaces().wait()[0]
         rollout, actor = launch_all(cluster, [(PolicyWorker, plan["rollout"], (cfg, obs_space, action_space)),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from m2flow.config import EmbodiedClusterConfig
 from m2flow.planning.profile import _Probe, median_rows
 from m2flow.runtime import Channel, Cluster, parse_placement, running
 from m2flow.scheduler.profile import (
@@ -37,7 +38,7 @@ from m2flow.workers.policy import PolicyWorker
 from m2flow.workers.sac_learner import SACLearnerWorker
 from m2flow.workers.sync import sync_weights
 
-COMPONENTS = ("env", "rollout", "actor")
+COMPONENTS = EmbodiedClusterConfig.COMPONENTS  # env, rollout, actor
 STAGES = (1, 2, 4)  # env pipeline stages the planner considers: rows at num_envs / S envs
 
 

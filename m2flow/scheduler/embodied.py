@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from m2flow.config import EmbodiedClusterConfig
 from m2flow.scheduler.cost import Layout
 from m2flow.scheduler.profile import Profile
 from m2flow.scheduler.search import Candidate, SearchResult, search
 
-COMPONENTS = ("env", "rollout", "actor")
+COMPONENTS = EmbodiedClusterConfig.COMPONENTS  # env, rollout, actor
 
 
 def runnable(c: Candidate, num_envs: int) -> bool:
