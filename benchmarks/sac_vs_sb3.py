@@ -101,7 +101,7 @@ CRITICS = {"twin": [], "layernorm": ["sac.critic_layernorm=true"],  # --update-o
 
 def update_only(threads: int, rounds: int = 5, n: int = 64, critics: tuple[str, ...] = ("twin",)) -> str:
     """Per gradient step on the same kind of data (20k random transitions in each library's buffer): m2flow's
-    `SACLearnerWorker._update` (each of `critics`' variants; twin also with sac.grad=autograd and with
+    `SACLearnerWorker._update` (each of `critics`' variants, with sac.grad=auto and =autograd; twin also with
     sac.parallel_update) against SB3's `SAC.train`, interleaved, `rounds` rounds of `n` steps, medians."""
     import gymnasium as gym
     import numpy as np
@@ -120,9 +120,12 @@ def update_only(threads: int, rounds: int = 5, n: int = 64, critics: tuple[str, 
     data = {"obs": torch.randn(size, *obs), "actions": torch.rand(size, *act) * 2 - 1, "rewards": torch.randn(size),
             "next_obs": torch.randn(size, *obs), "terminated": torch.zeros(size, dtype=torch.bool)}
     learners = {}
-    variants = [(f"m2flow {c}" if c != "twin" else "m2flow", CRITICS[c]) for c in critics]
-    if "twin" in critics:  # sac.grad=auto is manual for these networks; autograd beside it
-        variants += [("m2flow autograd", ["sac.grad=autograd"]), ("m2flow parallel", ["sac.parallel_update=true"]),
+    variants = []
+    for c in critics:  # sac.grad=auto is manual for these networks; autograd beside each
+        name = f"m2flow {c}" if c != "twin" else "m2flow"
+        variants += [(name, CRITICS[c]), (f"{name} autograd", [*CRITICS[c], "sac.grad=autograd"])]
+    if "twin" in critics:
+        variants += [("m2flow parallel", ["sac.parallel_update=true"]),
                      ("m2flow parallel autograd", ["sac.parallel_update=true", "sac.grad=autograd"])]
     for name, extra in variants:
         if "parallel" in name and threads < 2:

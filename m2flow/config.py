@@ -890,9 +890,9 @@ class SACConfig:
                                    "of them (SB3)")
     actor_q: str = opt("min", "the actor's loss scores its actions with the critics' min (SB3) or mean (REDQ, RLPD)")
     grad: str = opt("auto", "how a gradient step differentiates its losses: manual (SAC's gradients written out for "
-                            "ReLU MLPs: no autograd graph; 13-18% less time a step on CPU, equal to autograd's to "
-                            "float rounding) | autograd | auto (manual where the networks allow it: a ReLU "
-                            "SquashedGaussian MLP actor, critics without LayerNorm, bc_coef 0)")
+                            "ReLU MLPs, with or without the critics' LayerNorm and the BC term: no autograd graph; "
+                            "13-18% less time a step on CPU, equal to autograd's to float rounding) | autograd | "
+                            "auto (manual where the networks allow it: a ReLU SquashedGaussian MLP actor)")
     save_buffer: str = opt("latest", "which checkpoints hold the replay buffer: latest (the newest complete one; an "
                                      "older one's is removed once a newer checkpoint is complete) | all | none (a "
                                      "resumed run refills an empty buffer, as SB3 without save_replay_buffer)")
@@ -976,13 +976,11 @@ class EmbodiedConfig:
         return self.sac.train_freq if self.algorithm.name == "sac" else self.rollout.steps
 
     def sac_grad_blockers(self) -> list[str]:
-        """Why sac.grad=manual cannot take this run's networks (none: a ReLU MLP actor, critics without LayerNorm,
-        no BC term)."""
+        """Why sac.grad=manual cannot take this run's networks (none: a ReLU MLP actor and critics, each with a
+        hidden layer)."""
         return [text for bad, text in (
             (self.policy.activation != "relu", f"policy.activation is '{self.policy.activation}', not relu"),
-            (not self.policy.hidden, "policy.hidden is empty"),
-            (self.sac.critic_layernorm, "sac.critic_layernorm is on"), (self.sac.bc_coef > 0, "sac.bc_coef is on"))
-            if bad]
+            (not self.policy.hidden, "policy.hidden is empty")) if bad]
 
     def validate(self, where: str) -> None:
         if self.policy.kind == "cnn" and not self.env.pixels:

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from m2flow.algorithms import actor_loss, critic_loss, polyak_update, soft_td_target, temperature_loss
-from m2flow.algorithms.sac_grad import (critics_action_grad, critics_forward, critics_loss_grads, squashed_grads,
-                                        squashed_sample)
+from m2flow.algorithms.sac_grad import (LN_EPS, bc_grad, critics_action_grad, critics_forward, critics_loss_grads,
+                                        squashed_grads, squashed_sample)
 from m2flow.engines.optim import FusedAdamStep
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
@@ -112,11 +112,20 @@ class SACLearnerWorker(PublishesWeights, Worker):
         for p in [*self.policy.parameters(), *self.critic.parameters()]:
             p.grad = torch.zeros_like(p)
 
-        def layers(seq):
-            return [(m.weight, m.bias) for m in seq.modules() if isinstance(m, torch.nn.Linear)]
+        def layers(seq):  # a Linear's (weight, bias), and its LayerNorm's (weight, bias) after them
+            out = []
+            for m in seq.modules():
+                if isinstance(m, torch.nn.Linear):
+                    out.append((m.weight, m.bias))
+                elif isinstance(m, torch.nn.LayerNorm):
+                    if m.eps != LN_EPS or not m.elementwise_affine or len(out[-1]) != 2:
+                        raise ValueError(f"sac.grad=manual: a LayerNorm with eps {LN_EPS}, affine, after a Linear, "
+                                         f"expected; got {m}")
+                    out[-1] = (*out[-1], m.weight, m.bias)
+            return out
 
         def grads(nets):
-            return [(w.grad, b.grad) for w, b in nets]
+            return [tuple(p.grad for p in layer) for layer in nets]
 
         pol = self.policy
         trunk, heads = layers(pol.trunk), [*layers(pol.mu), *layers(pol.log_std_head)]
@@ -226,9 +235,10 @@ class SACLearnerWorker(PublishesWeights, Worker):
             return None
         self._manual_temperature_step(logp)
         self._critic_step()
-        a_loss = self._manual_actor_grads(obs, pi, logp, fwd, alpha)  # SB3's order: through the critics just stepped
+        # SB3's order: the actor's gradient through the critics just stepped
+        a_loss, bc = self._manual_actor_grads(b, obs, pi, logp, fwd, alpha)
         self._actor_step()
-        return self._after_step(c_loss, a_loss, torch.zeros(()), alpha, logp, q[0].mean())
+        return self._after_step(c_loss, a_loss, bc, alpha, logp, q[0].mean())
 
     def _manual_parallel_update(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
         """`_parallel_update`'s step under sac.grad=manual. The pool's thread samples the next observations' actions
@@ -238,7 +248,7 @@ class SACLearnerWorker(PublishesWeights, Worker):
         m, obs = self._manual, b["obs"].float().flatten(1)
         x = torch.cat([obs, b["actions"]], 1)
         nxt, read = Future(), Future()
-        actor = self._pool.submit(self._manual_actor_gradient, obs, b["next_obs"], eps, alpha, nxt, read)
+        actor = self._pool.submit(self._manual_actor_gradient, b, obs, eps, alpha, nxt, read)
         try:
             runs = critics_forward(m["critics"], x)  # while the next actions are sampled
             target = self._td_target(b, eps[1], alpha, nxt.result())
@@ -253,36 +263,41 @@ class SACLearnerWorker(PublishesWeights, Worker):
         except BaseException:
             actor.result()  # the pool's thread's own error first, when it had one; never left running
             raise
-        a_loss = actor.result()
+        a_loss, bc = actor.result()
         self._actor_step()
-        return self._stats(c_loss, a_loss, torch.zeros(()), alpha, logp, q[0].mean())
+        return self._stats(c_loss, a_loss, bc, alpha, logp, q[0].mean())
 
-    def _manual_actor_gradient(self, obs, next_obs, eps, alpha, nxt: Future, read: Future) -> torch.Tensor:
+    def _manual_actor_gradient(self, b: dict, obs, eps, alpha, nxt: Future, read: Future):
         """sac.parallel_update's pool thread under sac.grad=manual: the next observations' actions and their log pi
         into `nxt`, then the actor's gradient, with its log pi into `read` once the critics' weights are read ->
-        the actor's loss."""
+        (the actor's loss, the BC term)."""
         torch.set_num_threads(self._threads)
         actor, bounds = self._manual["actor"], self._manual["bounds"]
         with torch.no_grad():
             try:
-                nxt.set_result(squashed_sample(*actor, next_obs.float().flatten(1), eps[1], bounds)[:2])
+                nxt.set_result(squashed_sample(*actor, b["next_obs"].float().flatten(1), eps[1], bounds)[:2])
                 pi, logp, fwd = squashed_sample(*actor, obs, eps[0], bounds)
-                return self._manual_actor_grads(obs, pi, logp, fwd, alpha, read)
+                return self._manual_actor_grads(b, obs, pi, logp, fwd, alpha, read)
             except BaseException as e:  # nothing left waiting on what this thread never gave
                 for f in (nxt, read):
                     if not f.done():
                         f.set_exception(e)
                 raise
 
-    def _manual_actor_grads(self, obs, pi, logp, fwd, alpha, read: Future | None = None) -> torch.Tensor:
-        """The actor's loss (actor_loss) and its gradient into the actor's `.grad`s -> the loss. `read`: given
-        log pi once the critics' weights are no longer read."""
-        m = self._manual
+    def _manual_actor_grads(self, b: dict, obs, pi, logp, fwd, alpha, read: Future | None = None):
+        """The actor's loss (actor_loss, and `_actor_objective`'s BC term with sac.bc_coef) and its gradient into
+        the actor's `.grad`s -> (the loss, the BC term). `read`: given log pi once the critics' weights are no
+        longer read."""
+        m, coef = self._manual, self.cfg.sac.bc_coef
         score, d_action = critics_action_grad(m["critics"], obs, pi, self.cfg.sac.actor_q)
         if read is not None:
             read.set_result(logp)
-        squashed_grads(*m["actor"], obs, fwd, d_action, float(alpha) / len(obs), m["bounds"], m["actor_grads"])
-        return (alpha * logp - score).mean()
+        bc, d_mean = torch.zeros(()), None
+        if coef:
+            bc, d_mean = bc_grad(fwd.mean, b["actions"][:self._demo_rows(len(obs))], coef)
+        squashed_grads(*m["actor"], obs, fwd, d_action, float(alpha) / len(obs), m["bounds"], m["actor_grads"],
+                       d_mean)
+        return (alpha * logp - score).mean(), bc
 
     def _actor_gradient(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor):
         """The actor's loss and its gradient into the actor's weights only (`inputs=`: the critics' weights get

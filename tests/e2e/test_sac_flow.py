@@ -190,8 +190,8 @@ def test_sac_grad_manual_trains_as_autograd_does_and_refuses_networks_it_cannot_
         assert all(torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-5) for k in wa)
         assert not all(torch.equal(wa[k], wb[k]) for k in wa)  # computed apart
     with pytest.raises(C.ConfigError, match="sac.grad=manual writes out the gradients of ReLU MLPs only, but "
-                                            "sac.critic_layernorm is on: use sac.grad=auto or autograd"):
-        cfg_for(tmp_path, "ln", "sac.grad=manual", "sac.critic_layernorm=true")
+                                            "policy.activation is 'tanh', not relu: use sac.grad=auto or autograd"):
+        cfg_for(tmp_path, "tanh", "sac.grad=manual", "policy.activation=tanh")
 
 
 def _nice_by_title() -> dict[str, tuple[int, list[int]]]:

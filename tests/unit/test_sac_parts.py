@@ -340,6 +340,42 @@ def test_bc_coef_pulls_the_actor_to_the_demonstrated_actions(parallel):
     assert errors[10.0][1] < 0.5 * errors[0.0][1]
 
 
+def _bc_learner(*overrides):
+    """A PickCube learner with the demonstrations (RLPD's half-and-half minibatches) and 100 random online rows."""
+    cfg = C.load(C.EmbodiedConfig, {"env": {"id": "PickCube-v1"}, "algorithm": {"name": "sac"},
+                                    "policy": {"hidden": [32, 32], "activation": "relu"},
+                                    "sac": {"buffer_size": 1000, "demos": FIXTURE, "batch_size": 64}}, list(overrides))
+    learner = SACLearnerWorker(cfg, spaces.Box(-np.inf, np.inf, (42,), np.float32), spaces.Box(-1, 1, (4,), np.float32))
+    g = torch.Generator().manual_seed(0)
+    learner.buffer.add({"obs": torch.randn(100, 42, generator=g), "rewards": torch.rand(100, generator=g),
+                        "actions": torch.rand(100, 4, generator=g) * 2 - 1,
+                        "next_obs": torch.randn(100, 42, generator=g), "terminated": torch.zeros(100, dtype=torch.bool)})
+    learner.env_steps = 1000
+    return learner
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("case", ["rlpd_critics", "bc"])
+def test_manual_gradients_train_rlpds_critics_and_the_bc_term_as_autograd_does(case, parallel):
+    """sac.grad=manual takes RLPD's parts (LayerNorm critics, an ensemble with a random min over 2 of its target
+    critics, the actor scored by their mean; the BC term on the demonstration rows): 10 gradient steps leave every
+    weight, the temperature and the stats where autograd's do, to float rounding, in either update order."""
+    extra = {"rlpd_critics": ["sac.critic_layernorm=true", "sac.n_critics=4", "sac.min_qs=2", "sac.actor_q=mean"],
+             "bc": ["sac.bc_coef=2.0", "sac.critic_layernorm=true"]}[case] + [f"sac.parallel_update={parallel}"]
+    make = _pendulum_learner if case == "rlpd_critics" else _bc_learner
+    manual, auto = make(*extra, "sac.grad=manual"), make(*extra, "sac.grad=autograd")
+    assert manual._manual is not None and auto._manual is None
+    outs = [learner._updates(0, 10) for learner in (manual, auto)]
+    assert outs[0].keys() == outs[1].keys() and outs[0]["sac/updates"] == 10
+    assert ("sac/bc_loss" in outs[0]) == (case == "bc")
+    for key in outs[0]:
+        assert outs[0][key] == pytest.approx(outs[1][key], rel=1e-4, abs=1e-6), key
+    for net in ("policy", "critic", "target"):
+        a, w = _weights(getattr(manual, net)), _weights(getattr(auto, net))
+        assert all(torch.allclose(a[k], w[k], rtol=1e-4, atol=1e-5) for k in a), net
+    assert manual.log_alpha.item() == pytest.approx(auto.log_alpha.item(), rel=1e-5)
+
+
 @pytest.mark.parametrize("lag", [0, 1])
 def test_utd_sets_the_gradient_steps_per_env_step_in_either_order(lag):
     """sac.utd replaces gradient_steps: an iteration of 8 envs x 8 steps takes utd x 64 gradient steps, at lag 0 (on
