@@ -41,6 +41,21 @@ class Squashed(NamedTuple):
     action: torch.Tensor
 
 
+def mlp_layers(seq: torch.nn.Module) -> list[Layer]:
+    """A module's layers as these functions read them: each Linear's (weight, bias), with the LayerNorm after it
+    (eps LN_EPS, affine) appended as (weight, bias, norm weight, norm bias)."""
+    out: list[Layer] = []
+    for m in seq.modules():
+        if isinstance(m, torch.nn.Linear):
+            out.append((m.weight, m.bias))
+        elif isinstance(m, torch.nn.LayerNorm):
+            if m.eps != LN_EPS or not m.elementwise_affine or not out or len(out[-1]) != 2:
+                raise ValueError(f"sac.grad=manual: a LayerNorm with eps {LN_EPS}, affine, after a Linear, expected; "
+                                 f"got {m}")
+            out[-1] = (*out[-1], m.weight, m.bias)
+    return out
+
+
 def relu_forward(hidden: Sequence[Layer], x: torch.Tensor) -> Hidden:
     """x [B, in] -> every hidden layer's ReLU output [B, width], and what a LayerNorm's backward needs."""
     hs, norms = [], []

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from m2flow.algorithms import actor_loss, critic_loss, polyak_update, soft_td_target, temperature_loss
-from m2flow.algorithms.sac_grad import (LN_EPS, bc_grad, critics_action_grad, critics_forward, critics_loss_grads,
+from m2flow.algorithms.sac_grad import (bc_grad, critics_action_grad, critics_forward, critics_loss_grads, mlp_layers,
                                         squashed_grads, squashed_sample)
 from m2flow.engines.optim import FusedAdamStep
 from m2flow.runtime import Worker
@@ -112,24 +112,12 @@ class SACLearnerWorker(PublishesWeights, Worker):
         for p in [*self.policy.parameters(), *self.critic.parameters()]:
             p.grad = torch.zeros_like(p)
 
-        def layers(seq):  # a Linear's (weight, bias), and its LayerNorm's (weight, bias) after them
-            out = []
-            for m in seq.modules():
-                if isinstance(m, torch.nn.Linear):
-                    out.append((m.weight, m.bias))
-                elif isinstance(m, torch.nn.LayerNorm):
-                    if m.eps != LN_EPS or not m.elementwise_affine or len(out[-1]) != 2:
-                        raise ValueError(f"sac.grad=manual: a LayerNorm with eps {LN_EPS}, affine, after a Linear, "
-                                         f"expected; got {m}")
-                    out[-1] = (*out[-1], m.weight, m.bias)
-            return out
-
         def grads(nets):
             return [tuple(p.grad for p in layer) for layer in nets]
 
         pol = self.policy
-        trunk, heads = layers(pol.trunk), [*layers(pol.mu), *layers(pol.log_std_head)]
-        critics = [(layers(q[0]), layers(q[1])[0]) for q in self.critic.qs]
+        trunk, heads = mlp_layers(pol.trunk), [*mlp_layers(pol.mu), *mlp_layers(pol.log_std_head)]
+        critics = [(mlp_layers(q[0]), mlp_layers(q[1])[0]) for q in self.critic.qs]
         return {"actor": (trunk, *heads), "actor_grads": (grads(trunk), *grads(heads)), "critics": critics,
                 "critic_grads": [(grads(hidden), grads([head])[0]) for hidden, head in critics],
                 "bounds": (pol.LOG_STD_MIN, pol.LOG_STD_MAX)}

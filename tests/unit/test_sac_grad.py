@@ -7,7 +7,7 @@ import torch
 from gymnasium import spaces
 
 from m2flow.algorithms import actor_loss, critic_loss
-from m2flow.algorithms.sac_grad import (bc_grad, critics_action_grad, critics_loss_grads, squashed_grads,
+from m2flow.algorithms.sac_grad import (bc_grad, critics_action_grad, critics_loss_grads, mlp_layers, squashed_grads,
                                         squashed_sample)
 from m2flow.workloads.embodied import Critics
 from m2flow.workloads.embodied.policies import SquashedGaussianActor
@@ -15,18 +15,8 @@ from m2flow.workloads.embodied.policies import SquashedGaussianActor
 OBS, ACT, ROWS = 5, 3, 32
 
 
-def _layers(seq):
-    out = []
-    for m in seq.modules():
-        if isinstance(m, torch.nn.Linear):
-            out.append((m.weight, m.bias))
-        elif isinstance(m, torch.nn.LayerNorm):
-            out[-1] = (*out[-1], m.weight, m.bias)
-    return out
-
-
 def _critic_nets(critics):
-    return [(_layers(q[0]), (q[1].weight, q[1].bias)) for q in critics.qs]
+    return [(mlp_layers(q[0]), (q[1].weight, q[1].bias)) for q in critics.qs]
 
 
 def _empty_like(nets):
@@ -86,7 +76,7 @@ def test_actor_loss_gradient_through_the_critics_equals_autograds(reduce, layern
     ref_bc = (torch.tanh(actor.dist(obs[:k])[0]) - demo[:k]).pow(2).sum(-1).mean()  # as SACLearnerWorker's
     (ref + bc * ref_bc).backward()
     bounds = (actor.LOG_STD_MIN, actor.LOG_STD_MAX)
-    trunk, mu, log_std = _layers(actor.trunk), (actor.mu.weight, actor.mu.bias), (actor.log_std_head.weight,
+    trunk, mu, log_std = mlp_layers(actor.trunk), (actor.mu.weight, actor.mu.bias), (actor.log_std_head.weight,
                                                                                  actor.log_std_head.bias)
     grads = ([(torch.empty_like(w), torch.empty_like(b)) for w, b in trunk], tuple(map(torch.empty_like, mu)),
              tuple(map(torch.empty_like, log_std)))
