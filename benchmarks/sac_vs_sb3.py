@@ -2,7 +2,8 @@
 for one), interleaved: for each seed SB3, then m2flow in each plan, each run in its own process. Per run: the wall
 time (the runner's process from its start to the evaluated result: imports, set-up, training and the final
 evaluation, alike for both), the training time alone (SB3's `learn`; m2flow's iterations), env steps/s in training,
-and the mean return of 10 deterministic episodes at the end. Asserts nothing.
+and the mean return of 10 deterministic episodes at the end, from the same start states for both (episode k reset
+with the preset's `eval.seed` + k; SB3's trained model is saved beside its JSON). Asserts nothing.
 
     pip install stable-baselines3                                                  # or `make bench`
     python benchmarks/sac_vs_sb3.py --steps 100000 --seeds 0,1,2                   # hours on 2 cores: background it
@@ -52,8 +53,8 @@ def sb3_run(steps: int, seed: int, out: Path) -> dict:
     """SB3's SAC on the preset's hyperparameters; in this process (called through `--one sb3`)."""
     import gymnasium as gym
     from stable_baselines3 import SAC
+    import numpy as np
     from stable_baselines3.common.env_util import make_vec_env
-    from stable_baselines3.common.evaluation import evaluate_policy
     from torch import nn
 
     from m2flow import config as C
@@ -70,9 +71,26 @@ def sb3_run(steps: int, seed: int, out: Path) -> dict:
     start = time.perf_counter()
     model.learn(total_timesteps=steps)
     training = time.perf_counter() - start
-    mean, std = evaluate_policy(model, gym.make(cfg.env.id), n_eval_episodes=10, deterministic=True)
+    model.save(out / f"sb3_{seed}")  # the trained SAC, for evaluating it again
+    returns = sb3_evaluate(model, gym.make(cfg.env.id), cfg.eval.episodes, cfg.eval.seed)
     return {"runner": "sb3", "seed": seed, "env_steps": int(model.num_timesteps), "train_s": training,
-            "env_steps_per_s": model.num_timesteps / training, "return_mean": float(mean), "return_std": float(std)}
+            "env_steps_per_s": model.num_timesteps / training, "return_mean": float(np.mean(returns)),
+            "return_std": float(np.std(returns)), "eval_seeded": True}
+
+
+def sb3_evaluate(model, env, episodes: int, seed: int) -> list[float]:
+    """The returns of `episodes` deterministic episodes, episode k reset with seed + k: the start states m2flow's
+    evaluation (`eval.seed`) gives its own policy."""
+    returns = []
+    for k in range(episodes):
+        obs, _ = env.reset(seed=seed + k)
+        total, done = 0.0, False
+        while not done:
+            action, _ = model.predict(obs, deterministic=True)
+            obs, reward, terminated, truncated, _ = env.step(action)
+            total, done = total + float(reward), terminated or truncated
+        returns.append(total)
+    return returns
 
 
 def m2flow_run(steps: int, seed: int, plan: str, out: Path) -> dict:
