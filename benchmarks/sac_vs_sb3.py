@@ -52,8 +52,8 @@ PLANS = {"lockstep": ["cluster.placement=env,rollout,actor: 0", "sac.max_policy_
 def sb3_run(steps: int, seed: int, out: Path) -> dict:
     """SB3's SAC on the preset's hyperparameters; in this process (called through `--one sb3`)."""
     import gymnasium as gym
-    from stable_baselines3 import SAC
     import numpy as np
+    from stable_baselines3 import SAC
     from stable_baselines3.common.env_util import make_vec_env
     from torch import nn
 

@@ -103,8 +103,8 @@ def test_a_gradient_step_is_sb3s(grad, monkeypatch):
 
 def test_parallel_update_steps_the_critics_as_sb3_and_the_actor_through_the_critics_before_their_step(monkeypatch):
     """sac.parallel_update's one deliberate difference from SB3: the actor's loss reads the critics before the step's
-    update (the original SAC's order), so the actor ends elsewhere (measured: 6e-4 after 30 steps); the critics, their
-    targets and the temperature still step as SB3's."""
+    update (the original SAC's order), so the actor ends elsewhere (measured: 6e-4 after 30 steps); the critics and
+    their targets still step as SB3's."""
     learner, sb3 = _pair("sac.parallel_update=true")
     _steps(learner, sb3, monkeypatch)
     gaps = _gaps(learner, sb3)
