@@ -72,7 +72,7 @@ def _steps(learner, sb3, monkeypatch) -> list[tuple[dict, dict]]:
         gen = torch.Generator().set_state(learner.gen.get_state())  # the noise the learner's step draws next
         out = learner._updates(0, 1)
         assert out["sac/updates"] == 1
-        eps = torch.randn((2, BATCH, 6), generator=gen)
+        eps = torch.randn((2, BATCH, *learner.policy.mu.bias.shape), generator=gen)  # as `_update` draws it
         steps.append((out, _sb3_step(sb3, taken[-1], eps, monkeypatch)))
     assert learner.updates == STEPS and sb3._n_updates == STEPS
     return steps
