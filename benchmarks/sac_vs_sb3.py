@@ -11,7 +11,7 @@ with the preset's `eval.seed` + k; SB3's trained model is saved beside its JSON)
     python benchmarks/sac_vs_sb3.py --update-only                                  # per gradient step, 1 and 2 threads
     python benchmarks/sac_vs_sb3.py --update-only --critics twin,layernorm,rlpd    # the critics' variants, too
     python benchmarks/sac_vs_sb3.py --steps 100000 --seeds 1,2 --plans lockstep --no-sb3   # more seeds of one plan
-    python benchmarks/sac_vs_sb3.py --summarize
+    python benchmarks/sac_vs_sb3.py --summarize                                    # medians, then per seed
 
 Plans: `lockstep` (env, policy and learner in one process on device 0, `sac.max_policy_lag=0`: SB3's order, one
 core), `wide` (the learner one process over both devices' cores, 2 threads; env and policy on device 0; lag 0),
@@ -210,6 +210,31 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def by_seed(results: list[dict]) -> str:
+    """Per seed: each runner's return and wall time (an m2flow plan's also as a ratio to SB3's on that seed), then
+    on how many of the seeds both ran each plan's return is at least SB3's."""
+    runners = sorted(dict.fromkeys(r["runner"] for r in results), key=lambda n: n != "sb3")  # SB3 first
+    runs = {(r["runner"], r["seed"]): r for r in results}
+    seeds = sorted({r["seed"] for r in results})
+
+    def cell(runner, seed):
+        r, sb3 = runs.get((runner, seed)), runs.get(("sb3", seed))
+        if r is None:
+            return "- | -"
+        ratio = f" ({r['wall_s'] / sb3['wall_s']:.2f}x)" if sb3 and runner != "sb3" and "wall_s" in sb3 else ""
+        return f"{r['return_mean']:.0f} | {r['wall_s']:.0f}{ratio}"
+
+    lines = ["| seed | " + " | ".join(f"{n} return | {n} wall s" for n in runners) + " |",
+             "| --- |" + " --- | --- |" * len(runners)]
+    lines += [f"| {seed} | " + " | ".join(cell(n, seed) for n in runners) + " |" for seed in seeds]
+    lines.append("")
+    for n in runners[1:] if "sb3" in runners else []:
+        paired = [s for s in seeds if (n, s) in runs and ("sb3", s) in runs]
+        ahead = sum(runs[(n, s)]["return_mean"] >= runs[("sb3", s)]["return_mean"] for s in paired)
+        lines.append(f"{n}: return at least SB3's on {ahead} of the {len(paired)} seeds both ran")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100_000, help="env steps per run")
@@ -218,7 +243,7 @@ def main() -> None:
     p.add_argument("--no-sb3", action="store_true", help="run the m2flow plans only, not SB3 before them")
     p.add_argument("--out", default="runs/bench/sac_vs_sb3")
     p.add_argument("--set", default="", help="overrides of the preset for both libraries, space-separated")
-    p.add_argument("--summarize", action="store_true", help="print the table of the results under --out")
+    p.add_argument("--summarize", action="store_true", help="print the medians and the per-seed table of the results under --out")
     p.add_argument("--update-only", action="store_true", help="per gradient step, m2flow against SB3, interleaved")
     p.add_argument("--critics", default="twin", help=f"with --update-only: m2flow's critics, of {', '.join(CRITICS)}")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -253,6 +278,7 @@ def main() -> None:
                 print(json.dumps(result), flush=True)
     results = [json.loads(f.read_text()) for f in sorted(out.glob("*_*.json"))]
     print(table(results))
+    print(by_seed(results))
 
 
 if __name__ == "__main__":
