@@ -243,7 +243,7 @@ def main() -> None:
     p.add_argument("--no-sb3", action="store_true", help="run the m2flow plans only, not SB3 before them")
     p.add_argument("--out", default="runs/bench/sac_vs_sb3")
     p.add_argument("--set", default="", help="overrides of the preset for both libraries, space-separated")
-    p.add_argument("--summarize", action="store_true", help="print the medians and the per-seed table of the results under --out")
+    p.add_argument("--summarize", action="store_true", help="print the medians and the per-seed table under --out")
     p.add_argument("--update-only", action="store_true", help="per gradient step, m2flow against SB3, interleaved")
     p.add_argument("--critics", default="twin", help=f"with --update-only: m2flow's critics, of {', '.join(CRITICS)}")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
