@@ -212,7 +212,8 @@ def table(results: list[dict]) -> str:
 
 def by_seed(results: list[dict]) -> str:
     """Per seed: each runner's return and wall time (an m2flow plan's also as a ratio to SB3's on that seed), then
-    on how many of the seeds both ran each plan's return is at least SB3's."""
+    on how many of the seeds both ran each plan's return is at least SB3's, and both returns' median and mean over
+    those seeds."""
     runners = sorted(dict.fromkeys(r["runner"] for r in results), key=lambda n: n != "sb3")  # SB3 first
     runs = {(r["runner"], r["seed"]): r for r in results}
     seeds = sorted({r["seed"] for r in results})
@@ -230,8 +231,13 @@ def by_seed(results: list[dict]) -> str:
     lines.append("")
     for n in runners[1:] if "sb3" in runners else []:
         paired = [s for s in seeds if (n, s) in runs and ("sb3", s) in runs]
-        ahead = sum(runs[(n, s)]["return_mean"] >= runs[("sb3", s)]["return_mean"] for s in paired)
-        lines.append(f"{n}: return at least SB3's on {ahead} of the {len(paired)} seeds both ran")
+        if not paired:
+            continue
+        mine, sb3 = ([runs[(who, s)]["return_mean"] for s in paired] for who in (n, "sb3"))
+        ahead = sum(a >= b for a, b in zip(mine, sb3))
+        lines.append(f"{n}: return at least SB3's on {ahead} of the {len(paired)} seeds both ran; over them, median "
+                     f"{statistics.median(mine):.0f} against {statistics.median(sb3):.0f}, mean "
+                     f"{statistics.mean(mine):.0f} against {statistics.mean(sb3):.0f}")
     return "\n".join(lines)
 
 
