@@ -12,6 +12,7 @@ with the preset's `eval.seed` + k; SB3's trained model is saved beside its JSON)
     python benchmarks/sac_vs_sb3.py --update-only --critics twin,layernorm,rlpd    # the critics' variants, too
     python benchmarks/sac_vs_sb3.py --steps 100000 --seeds 1,2 --plans lockstep --no-sb3   # more seeds of one plan
     python benchmarks/sac_vs_sb3.py --summarize                                    # medians, then per seed
+    python benchmarks/sac_vs_sb3.py --seeds 0,1,2 --plans overlapped --common-start --out runs/bench/common
 
 Plans: `lockstep` (env, policy and learner in one process on device 0, `sac.max_policy_lag=0`: SB3's order, one
 core), `wide` (the learner one process over both devices' cores, 2 threads; env and policy on device 0; lag 0),
@@ -22,7 +23,9 @@ next steps on device 0 while the learner's two threads update). Every plan keeps
 `cluster.foreground=actor` (the run's other processes at nice 19). SB3 runs in its own process with torch's default
 threads (2 here), as a user runs it. `--set` overrides the preset for both libraries (e.g.
 `sac.learning_starts=1000` for a short run); `--no-sb3` runs the m2flow plans only (SB3's runs of those seeds
-already on disk). The 1-minute load average is sampled during each run.
+already on disk). The 1-minute load average is sampled during each run. `--common-start` starts SB3 where m2flow's
+run of the seed starts (m2flow's initial weights and warm-up actions; the envs' start states are common anyway), so
+that a seed's luck in its start is shared by both libraries and the per-seed returns compare what comes after.
 """
 
 from __future__ import annotations
@@ -49,10 +52,9 @@ PLANS = {"lockstep": ["cluster.placement=env,rollout,actor: 0", "sac.max_policy_
                         "sac.parallel_update=true"]}
 
 
-def sb3_run(steps: int, seed: int, out: Path) -> dict:
-    """SB3's SAC on the preset's hyperparameters; in this process (called through `--one sb3`)."""
-    import gymnasium as gym
-    import numpy as np
+def sb3_model(seed: int, common: bool = False):
+    """SB3's SAC on the preset's hyperparameters (and --set's), its envs seeded with `seed` -> (model, m2flow's
+    config). `common`: from m2flow's start (`common_start`)."""
     from stable_baselines3 import SAC
     from stable_baselines3.common.env_util import make_vec_env
     from torch import nn
@@ -68,6 +70,17 @@ def sb3_run(steps: int, seed: int, out: Path) -> dict:
                 target_entropy=s.target_entropy, target_update_interval=s.target_update_interval, seed=seed,
                 policy_kwargs=dict(net_arch=list(p.hidden), activation_fn={"relu": nn.ReLU, "tanh": nn.Tanh}[
                     p.activation]), device="cpu")
+    if common:
+        common_start(model, seed)
+    return model, cfg
+
+
+def sb3_run(steps: int, seed: int, out: Path, common: bool = False) -> dict:
+    """SB3's SAC (`sb3_model`) trained and evaluated; in this process (called through `--one sb3`)."""
+    import gymnasium as gym
+    import numpy as np
+
+    model, cfg = sb3_model(seed, common)
     start = time.perf_counter()
     model.learn(total_timesteps=steps)
     training = time.perf_counter() - start
@@ -75,7 +88,44 @@ def sb3_run(steps: int, seed: int, out: Path) -> dict:
     returns = sb3_evaluate(model, gym.make(cfg.env.id), cfg.eval.episodes, cfg.eval.seed)
     return {"runner": "sb3", "seed": seed, "env_steps": int(model.num_timesteps), "train_s": training,
             "env_steps_per_s": model.num_timesteps / training, "return_mean": float(np.mean(returns)),
-            "return_std": float(np.std(returns)), "eval_seeded": True}
+            "return_std": float(np.std(returns)), "eval_seeded": True, "common_start": common}
+
+
+def common_start(model, seed: int) -> None:
+    """Start SB3's `model` where m2flow's run of `seed` starts, so that a seed's luck in its start is common to both
+    libraries and their per-seed returns differ by what comes after: m2flow's initial weights (its SAC learner's for
+    run.seed=seed: actor, critics, targets) and m2flow's warm-up actions (the uniform actions its policy worker gives
+    every env at policy time step t, until `learning_starts` env steps) instead of SB3's own draws. The envs' start
+    states are common already: both libraries reset env i first with seed + i, then let it run on. After the
+    warm-up each library draws its own exploration noise and minibatch rows."""
+    import types
+
+    import torch
+
+    from m2flow import config as C
+    from m2flow.workers.policy import noise_seed, uniform_actions
+    from m2flow.workers.sac_learner import SACLearnerWorker
+
+    its = C.load(C.EmbodiedConfig, PRESET, [*SETTINGS, f"run.seed={seed}"])
+    learner = SACLearnerWorker(its, model.observation_space, model.action_space)
+    with torch.no_grad():
+        for src, dst in [(learner.policy.trunk, model.actor.latent_pi), (learner.policy.mu, model.actor.mu),
+                         (learner.policy.log_std_head, model.actor.log_std), (learner.critic, model.critic),
+                         (learner.target, model.critic_target)]:
+            for a, b in zip(src.parameters(), dst.parameters(), strict=True):
+                if a.shape != b.shape:
+                    raise ValueError(f"common start: m2flow's {tuple(a.shape)} weight against SB3's {tuple(b.shape)}")
+                b.copy_(a)
+    own = model._sample_action
+
+    def sample_action(self, learning_starts: int, action_noise=None, n_envs: int = 1):
+        if self.num_timesteps >= learning_starts:
+            return own(learning_starts, action_noise, n_envs)
+        t = self.num_timesteps // n_envs  # m2flow's policy time step, as PolicyWorker.act's warm-up draws it
+        actions = uniform_actions(self.action_space, noise_seed(seed + 1, t), 0, n_envs, n_envs)
+        return actions, self.policy.scale_action(actions)  # (the env's, m2flow's to the bit; the buffer's in [-1, 1])
+
+    model._sample_action = types.MethodType(sample_action, model)
 
 
 def sb3_evaluate(model, env, episodes: int, seed: int) -> list[float]:
@@ -179,7 +229,7 @@ def one(args) -> None:
     time is this process's, from the script's start to the evaluated result: the imports, the set-up (m2flow: Ray
     and the workers), the training and the 10-episode evaluation, alike for both libraries."""
     out = Path(args.out)
-    result = (sb3_run(args.steps, args.seed, out) if args.one == "sb3"
+    result = (sb3_run(args.steps, args.seed, out, args.common_start) if args.one == "sb3"
               else m2flow_run(args.steps, args.seed, args.one, out))
     result["wall_s"] = time.perf_counter() - START
     (out / f"{args.one}_{args.seed}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -229,6 +279,10 @@ def by_seed(results: list[dict]) -> str:
              "| --- |" + " --- | --- |" * len(runners)]
     lines += [f"| {seed} | " + " | ".join(cell(n, seed) for n in runners) + " |" for seed in seeds]
     lines.append("")
+    common = [s for s in seeds if runs.get(("sb3", s), {}).get("common_start")]
+    if common:
+        lines.append(f"SB3 started from m2flow's initial weights and warm-up actions (--common-start) on seeds "
+                     f"{', '.join(map(str, common))}")
     for n in runners[1:] if "sb3" in runners else []:
         paired = [s for s in seeds if (n, s) in runs and ("sb3", s) in runs]
         if not paired:
@@ -252,6 +306,8 @@ def main() -> None:
     p.add_argument("--summarize", action="store_true", help="print the medians and the per-seed table under --out")
     p.add_argument("--update-only", action="store_true", help="per gradient step, m2flow against SB3, interleaved")
     p.add_argument("--critics", default="twin", help=f"with --update-only: m2flow's critics, of {', '.join(CRITICS)}")
+    p.add_argument("--common-start", action="store_true",
+                   help="SB3 starts from m2flow's initial weights and warm-up actions of each seed (use its own --out)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -271,7 +327,8 @@ def main() -> None:
             for runner in [*([] if args.no_sb3 else ["sb3"]), *args.plans.split(",")]:
                 loads, start = [], time.time()
                 proc = subprocess.Popen([sys.executable, __file__, "--one", runner, "--seed", str(seed),
-                                         "--steps", str(args.steps), "--out", str(out), "--set", args.set])
+                                         "--steps", str(args.steps), "--out", str(out), "--set", args.set,
+                                         *(["--common-start"] if args.common_start else [])])
                 while proc.poll() is None:
                     loads.append(os.getloadavg()[0])
                     time.sleep(min(10.0, 1.0 + (time.time() - start) / 10))
