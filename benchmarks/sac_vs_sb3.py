@@ -106,7 +106,8 @@ def common_start(model, seed: int) -> None:
     from m2flow.workers.policy import noise_seed, uniform_actions
     from m2flow.workers.sac_learner import SACLearnerWorker
 
-    its = C.load(C.EmbodiedConfig, PRESET, [*SETTINGS, f"run.seed={seed}"])
+    # the learner's weights do not depend on its buffer's capacity (it is built after them): one row, not the preset's
+    its = C.load(C.EmbodiedConfig, PRESET, [*SETTINGS, f"run.seed={seed}", "sac.buffer_size=1"])
     learner = SACLearnerWorker(its, model.observation_space, model.action_space)
     with torch.no_grad():
         for src, dst in [(learner.policy.trunk, model.actor.latent_pi), (learner.policy.mu, model.actor.mu),
