@@ -856,7 +856,8 @@ class SACConfig:
     """Stable-Baselines3's SAC options, with its names and defaults; the learning rate is actor.lr (the actor's,
     the critics' and the temperature's), the discount algorithm.gamma, the networks' sizes policy.hidden."""
     buffer_size: int = opt(1_000_000, "replay buffer capacity in transitions (checked against free memory at start)")
-    learning_starts: int = opt(100, "env steps (all envs together) of uniform random actions before the first update")
+    learning_starts: int = opt(100, "env steps (all envs together) of uniform random actions; the updates start once "
+                                    "more were collected (as SB3's)")
     batch_size: int = opt(256, "transitions per gradient step")
     tau: float = opt(0.005, "Polyak coefficient of the target critics' update")
     train_freq: int = opt(1, "env steps per env between updates: the rollout of one iteration")

@@ -153,10 +153,11 @@ class SACLearnerWorker(PublishesWeights, Worker):
         return s.gradient_steps if s.gradient_steps > 0 else collected
 
     def _updates(self, step: int, n: int) -> dict:
-        """n gradient steps, once learning_starts env steps were collected and the buffer holds as many (it holds
+        """n gradient steps, once more than learning_starts env steps were collected (SB3's condition: its first
+        update comes after its first train_freq steps past learning_starts) and the buffer holds as many (it holds
         fewer after resuming from a checkpoint without it: sac.save_buffer)."""
-        starts = max(self.cfg.sac.learning_starts, 1)
-        if self.env_steps < starts or len(self.buffer) < min(starts, self.buffer.capacity) or not n:
+        starts = self.cfg.sac.learning_starts
+        if self.env_steps <= starts or len(self.buffer) < min(max(starts, 1), self.buffer.capacity) or not n:
             return {"sac/updates": 0}
         with self.device_phase("train", step), _intra_op_threads(self._threads):
             done = [x for x in (self._update() for _ in range(n)) if x is not None]

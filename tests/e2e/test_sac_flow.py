@@ -47,7 +47,7 @@ def test_sac_learns_pendulum(cluster, tmp_path, capsys):
 
 
 def test_lockstep_and_pipelined_plans_give_identical_sac_runs_at_lag_0(cluster, tmp_path):
-    common = ["policy.hidden=[32,32]", "run.steps=6", "sac.learning_starts=64", "eval.episodes=0"]
+    common = ["policy.hidden=[32,32]", "run.steps=6", "sac.learning_starts=63", "eval.episodes=0"]
     lockstep = train(cfg_for(tmp_path, "lockstep", "cluster.placement=env,rollout,actor: 0", *common), cluster)
     piped = train(cfg_for(tmp_path, "piped", "cluster.placement=env,rollout: 0; actor: 1", "env.pipeline_stages=2",
                           *common), cluster)
@@ -63,7 +63,7 @@ def test_lockstep_and_pipelined_plans_give_identical_sac_runs_at_lag_0(cluster, 
 def test_parallel_update_gives_the_same_run_in_the_lockstep_and_the_pipelined_plan(cluster, tmp_path):
     """sac.parallel_update reaches the learner (its actor reads the critics before each step's update, so its losses
     part from the sequential step's after the first update) and stays deterministic across plans."""
-    common = ["policy.hidden=[32,32]", "run.steps=3", "sac.learning_starts=64", "eval.episodes=0"]
+    common = ["policy.hidden=[32,32]", "run.steps=3", "sac.learning_starts=63", "eval.episodes=0"]
     runs = [train(cfg_for(tmp_path, name, *placement, *common, *extra), cluster) for name, placement, extra in (
         ("par_lockstep", ["cluster.placement=env,rollout,actor: 0"], ["sac.parallel_update=true"]),
         ("par_piped", ["cluster.placement=env,rollout: 0; actor: 1", "env.pipeline_stages=2"],
@@ -85,7 +85,7 @@ def test_auto_mode_profiles_the_sac_learner_and_plans_it_as_one_rank(cluster, tm
     from m2flow.runtime import parse_placement
     from m2flow.scheduler.profile import Profile
 
-    cfg = cfg_for(tmp_path, "auto", "policy.hidden=[32,32]", "run.steps=3", "sac.learning_starts=64",
+    cfg = cfg_for(tmp_path, "auto", "policy.hidden=[32,32]", "run.steps=3", "sac.learning_starts=63",
                   "eval.episodes=0", "sac.max_policy_lag=1", "cluster.placement=auto")
     api_train(cfg, cluster=cluster)
     run = tmp_path / "auto"
@@ -106,7 +106,7 @@ def test_auto_mode_profiles_the_sac_learner_and_plans_it_as_one_rank(cluster, tm
 def test_max_policy_lag_1_updates_before_it_takes_the_iterations_steps(cluster, tmp_path):
     """With lag 1 the updates of iteration k see the steps up to k - 1: the first updates come an iteration later
     than at lag 0, and the run still trains (the critic's loss is finite, the actor's weights move)."""
-    common = ["policy.hidden=[32,32]", "run.steps=4", "sac.learning_starts=64", "eval.episodes=0",
+    common = ["policy.hidden=[32,32]", "run.steps=4", "sac.learning_starts=63", "eval.episodes=0",
               "cluster.placement=env,rollout: 0; actor: 1"]
     lag0 = rows(train(cfg_for(tmp_path, "lag0", *common), cluster))
     lag1 = rows(train(cfg_for(tmp_path, "lag1", "sac.max_policy_lag=1", *common), cluster))
@@ -119,7 +119,7 @@ def test_max_policy_lag_1_updates_before_it_takes_the_iterations_steps(cluster, 
 def test_a_resumed_sac_run_equals_an_uninterrupted_one(cluster, tmp_path):
     """The checkpoint holds the replay buffer, every generator, the optimizers and (Pendulum pickles) the envs
     mid-episode: 3 iterations, a stop, 3 more give the weights and losses of 6 in one go, bit for bit."""
-    common = ["policy.hidden=[32,32]", "sac.learning_starts=64", "eval.episodes=0", "run.save_every=3",
+    common = ["policy.hidden=[32,32]", "sac.learning_starts=63", "eval.episodes=0", "run.save_every=3",
               "env.num_envs=4"]
     whole = train(cfg_for(tmp_path, "whole", "run.steps=6", *common), cluster)
     train(cfg_for(tmp_path, "parts", "run.steps=3", *common), cluster)
@@ -159,7 +159,7 @@ def test_sac_save_buffer_all_keeps_every_buffer_and_none_resumes_on_an_empty_one
 def test_sac_critic_layernorm_and_ensemble_run_through_the_flow_and_change_the_critics(cluster, tmp_path):
     """sac.critic_layernorm from the config: the checkpoint's critics and targets hold a LayerNorm per hidden layer,
     and the critics' losses differ from the same run without it (same seed); so do sac.n_critics' ensemble's."""
-    common = ["policy.hidden=[32,32]", "run.steps=3", "sac.learning_starts=64", "eval.episodes=0"]
+    common = ["policy.hidden=[32,32]", "run.steps=3", "sac.learning_starts=63", "eval.episodes=0"]
     plain = rows(train(cfg_for(tmp_path, "plain", *common), cluster))
     normed = train(cfg_for(tmp_path, "normed", "sac.critic_layernorm=true", *common), cluster)
     nets = load_file(f"{normed['checkpoint']}/sac_critic.safetensors")
@@ -179,7 +179,7 @@ def test_sac_critic_layernorm_and_ensemble_run_through_the_flow_and_change_the_c
 def test_sac_grad_manual_trains_as_autograd_does_and_refuses_networks_it_cannot_take(cluster, tmp_path):
     """sac.grad=manual (the hand-written gradients) reaches the learner in both update orders: its losses part from
     autograd's by float rounding only, so they are not bit for bit the same but agree to 1e-4."""
-    common = ["policy.hidden=[32,32]", "run.steps=4", "sac.learning_starts=64", "eval.episodes=0"]
+    common = ["policy.hidden=[32,32]", "run.steps=4", "sac.learning_starts=63", "eval.episodes=0"]
     for extra in ([], ["sac.parallel_update=true"]):
         manual, auto = (train(cfg_for(tmp_path, f"{grad}{len(extra)}", f"sac.grad={grad}", *common, *extra), cluster)
                         for grad in ("manual", "autograd"))
@@ -228,7 +228,7 @@ def test_cluster_foreground_keeps_the_learner_at_its_priority_and_lowers_the_res
     try:
         result = train(cfg_for(tmp_path, "fg", "cluster.placement=env,rollout: 0; actor: 1", "cluster.foreground=actor",
                                "sac.max_policy_lag=1", "policy.hidden=[32,32]", "run.steps=24",
-                               "sac.learning_starts=64", "eval.episodes=0"), cluster)
+                               "sac.learning_starts=63", "eval.episodes=0"), cluster)
     finally:
         stop.set()
         sampler.join()

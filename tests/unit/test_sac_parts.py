@@ -376,22 +376,34 @@ def test_manual_gradients_train_rlpds_critics_and_the_bc_term_as_autograd_does(c
     assert manual.log_alpha.item() == pytest.approx(auto.log_alpha.item(), rel=1e-5)
 
 
+class _Steps:
+    """An input channel holding one env worker's iteration of 8 envs x 8 steps (64 transitions) of Pendulum."""
+
+    def get(self, key):
+        t, n, zeros, flags = 8, 8, torch.zeros(8, 8), torch.zeros(8, 8, dtype=torch.bool)
+        traj = Trajectory(obs=torch.randn(t, n, 3), actions=torch.zeros(t, n, 1), logprobs=zeros, values=zeros,
+                          rewards=zeros, terminated=flags, truncated=flags, final_values=zeros,
+                          next_obs=torch.randn(n, 3), next_values=torch.zeros(n), final_obs=torch.zeros(t, n, 3))
+        return {"env_rank": 0, "traj": traj}
+
+
+def test_the_updates_start_once_more_than_learning_starts_env_steps_were_collected():
+    """SB3's condition (`num_timesteps > learning_starts`): with learning_starts=64 and 64 env steps an iteration, the
+    first iteration only collects and the second updates; with 63 the first updates."""
+    for starts, want in ((64, [0, 64, 64]), (63, [64, 64, 64])):
+        learner = _pendulum_learner(f"sac.learning_starts={starts}", "sac.max_policy_lag=0")
+        learner.env_steps = 0  # (its buffer holds 200 rows already: more than learning_starts)
+        assert [learner.train(_Steps(), k, 1)["sac/updates"] for k in range(3)] == want, starts
+
+
 @pytest.mark.parametrize("lag", [0, 1])
 def test_utd_sets_the_gradient_steps_per_env_step_in_either_order(lag):
     """sac.utd replaces gradient_steps: an iteration of 8 envs x 8 steps takes utd x 64 gradient steps, at lag 0 (on
     the steps just taken in) and at lag 1 (a whole iteration's, taken in after)."""
-    class Channel:
-        def get(self, key):
-            t, n, zeros, flags = 8, 8, torch.zeros(8, 8), torch.zeros(8, 8, dtype=torch.bool)
-            traj = Trajectory(obs=torch.randn(t, n, 3), actions=torch.zeros(t, n, 1), logprobs=zeros, values=zeros,
-                              rewards=zeros, terminated=flags, truncated=flags, final_values=zeros,
-                              next_obs=torch.randn(n, 3), next_values=torch.zeros(n), final_obs=torch.zeros(t, n, 3))
-            return {"env_rank": 0, "traj": traj}
-
     for utd, want in ((0.5, 32), (2, 128), (None, 64)):
         extra = [f"sac.utd={utd}"] if utd is not None else []
         learner = _pendulum_learner(f"sac.max_policy_lag={lag}", "sac.learning_starts=0", *extra)
-        assert learner.train(Channel(), 0, 1)["sac/updates"] == want
+        assert learner.train(_Steps(), 0, 1)["sac/updates"] == want
 
 
 def test_an_ensembles_step_takes_the_target_over_a_fresh_random_pair_and_scores_the_actor_with_the_mean():
