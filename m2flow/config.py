@@ -859,6 +859,7 @@ class SACConfig:
     learning_starts: int = opt(100, "env steps (all envs together) of uniform random actions; the updates start once "
                                     "more were collected (as SB3's)")
     batch_size: int = opt(256, "transitions per gradient step")
+    logp_eps: float = opt(0.0, "eps in the actor's log-density log(1 - tanh(u)^2 + eps): 0 exact, 1e-6 SB3's")
     tau: float = opt(0.005, "Polyak coefficient of the target critics' update")
     train_freq: int = opt(1, "env steps per env between updates: the rollout of one iteration")
     gradient_steps: int = opt(1, "gradient steps per iteration (-1: as many as env steps collected, all envs)")
@@ -921,6 +922,8 @@ class SACConfig:
                               f"{self.learning_starts} and {self.gradient_steps}")
         if self.utd is not None and not self.utd > 0:
             raise ConfigError(f"{where}.utd must be > 0 (gradient steps per env step), got {self.utd}")
+        if not 0 <= self.logp_eps < 1:
+            raise ConfigError(f"{where}.logp_eps must be in [0, 1) (SB3's is 1e-6), got {self.logp_eps}")
         if not 0 < self.tau <= 1:
             raise ConfigError(f"{where}.tau must be in (0, 1], got {self.tau}")
         if self.max_policy_lag not in (0, 1):

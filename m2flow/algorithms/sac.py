@@ -13,12 +13,16 @@ _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 _LOG_2 = math.log(2.0)
 
 
-def squashed_gaussian_logprob(u: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
+def squashed_gaussian_logprob(u: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor,
+                              eps: float = 0.0) -> torch.Tensor:
     """log pi(tanh(u)) for u ~ N(mean, exp(log_std)^2), per row [B, A] -> [B]: the Gaussian's log-density minus the
-    log-determinant of tanh, log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)) (exact, and finite where tanh(u)
-    rounds to +-1; SB3 subtracts log(1 - tanh(u)^2 + 1e-6) instead)."""
+    log-determinant of tanh. eps 0: log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)), exact, and finite where
+    tanh(u) rounds to +-1. eps > 0: log(1 - tanh(u)^2 + eps), as SB3 computes it (its eps is 1e-6), which caps the
+    term at log(eps) where the action saturates."""
     z = (u - mean) * torch.exp(-log_std)
     gaussian = (-0.5 * z.pow(2) - log_std - _HALF_LOG_2PI).sum(-1)
+    if eps:
+        return gaussian - torch.log(1 - torch.tanh(u).pow(2) + eps).sum(-1)
     return gaussian - (2.0 * (_LOG_2 - u - F.softplus(-2.0 * u))).sum(-1)
 
 

@@ -32,13 +32,14 @@ class Hidden(NamedTuple):
 
 class Squashed(NamedTuple):
     """What the actor's backward needs of its forward: the trunk's activations, the mean, the raw log std (before
-    the clamp), the std, the noise and the action tanh(u)."""
+    the clamp), the std, the noise, the action tanh(u) and the log-density's eps (`squashed_gaussian_logprob`)."""
     trunk: Hidden
     mean: torch.Tensor
     log_std_raw: torch.Tensor
     std: torch.Tensor
     eps: torch.Tensor
     action: torch.Tensor
+    logp_eps: float = 0.0
 
 
 def mlp_layers(seq: torch.nn.Module) -> list[Layer]:
@@ -159,9 +160,10 @@ def critics_action_grad(critics: Sequence[tuple[Sequence[Layer], Layer]], obs: t
 
 
 def squashed_sample(hidden: Sequence[Layer], mu: Layer, log_std: Layer, obs: torch.Tensor, eps: torch.Tensor,
-                    log_std_bounds: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor, Squashed]:
-    """The squashed-Gaussian actor's reparameterized sample, as SquashedGaussianActor.sample computes it ->
-    (tanh(u) [B, A], log pi [B], what `squashed_grads` needs)."""
+                    log_std_bounds: tuple[float, float], logp_eps: float = 0.0
+                   ) -> tuple[torch.Tensor, torch.Tensor, Squashed]:
+    """The squashed-Gaussian actor's reparameterized sample, as SquashedGaussianActor.sample computes it (its
+    log-density's eps `logp_eps`) -> (tanh(u) [B, A], log pi [B], what `squashed_grads` needs)."""
     trunk = relu_forward(hidden, obs)
     mean = torch.addmm(mu[1], trunk.hs[-1], mu[0].t())
     raw = torch.addmm(log_std[1], trunk.hs[-1], log_std[0].t())
@@ -169,7 +171,8 @@ def squashed_sample(hidden: Sequence[Layer], mu: Layer, log_std: Layer, obs: tor
     std = clamped.exp()
     u = torch.addcmul(mean, std, eps)
     action = torch.tanh(u)
-    return action, squashed_gaussian_logprob(u, mean, clamped), Squashed(trunk, mean, raw, std, eps, action)
+    return (action, squashed_gaussian_logprob(u, mean, clamped, logp_eps),
+            Squashed(trunk, mean, raw, std, eps, action, logp_eps))
 
 
 def squashed_grads(hidden: Sequence[Layer], mu: Layer, log_std: Layer, obs: torch.Tensor, fwd: Squashed,
@@ -178,10 +181,13 @@ def squashed_grads(hidden: Sequence[Layer], mu: Layer, log_std: Layer, obs: torc
     """The gradient of a loss into the actor's weights (`grads`: (hidden, mu, log std) as the layers), from its
     gradient on the action d_action [B, A] and on log pi (the same d_logp for every row), and on the mean beside
     its path through the action (d_mean [B, A], a behaviour-cloning term's: `bc_grad`). With u = mean + std eps:
-    d log pi / d u = 2 tanh(u) (the tanh's log-determinant; the Gaussian's term is a function of eps alone), and
+    d log pi / d u = 2 tanh(u) (the tanh's log-determinant; the Gaussian's term is a function of eps alone; with the
+    log-density's eps e, 2 tanh(u) (1 - tanh(u)^2) / (1 - tanh(u)^2 + e)), and
     d log pi / d log std = -1 beside its path through u; the clamp passes gradient inside its bounds only."""
     a = fwd.action
-    d_u = d_action * (1.0 - a * a) + (2.0 * d_logp) * a
+    slope = 1.0 - a * a
+    d_logdet = a if not fwd.logp_eps else a * slope / (slope + fwd.logp_eps)
+    d_u = d_action * slope + (2.0 * d_logp) * d_logdet
     d_raw = (d_u * fwd.std * fwd.eps - d_logp) * ((fwd.log_std_raw >= log_std_bounds[0])
                                                    & (fwd.log_std_raw <= log_std_bounds[1]))
     g_hidden, g_mu, g_log_std = grads

@@ -29,7 +29,8 @@ def make_policy(cfg, obs_space, action_space) -> ActorCritic | SquashedGaussianA
     if cfg.algorithm.name == "sac":
         with torch.random.fork_rng():
             torch.manual_seed(cfg.run.seed)
-            return SquashedGaussianActor(int(np.prod(obs_space.shape)), action_space, tuple(p.hidden), p.activation)
+            return SquashedGaussianActor(int(np.prod(obs_space.shape)), action_space, tuple(p.hidden), p.activation,
+                                         cfg.sac.logp_eps)
     kw = dict(features_dim=p.features_dim) if p.kind == "cnn" else dict(hidden=tuple(p.hidden), activation=p.activation)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.run.seed)

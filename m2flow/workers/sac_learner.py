@@ -217,7 +217,7 @@ class SACLearnerWorker(PublishesWeights, Worker):
         if self._pool is not None:
             return self._manual_parallel_update(b, eps, alpha)
         m, obs = self._manual, b["obs"].float().flatten(1)
-        pi, logp, fwd = squashed_sample(*m["actor"], obs, eps[0], m["bounds"])
+        pi, logp, fwd = squashed_sample(*m["actor"], obs, eps[0], m["bounds"], self.policy.logp_eps)
         target = self._td_target(b, eps[1], alpha)
         c_loss, q = critics_loss_grads(m["critics"], torch.cat([obs, b["actions"]], 1), target, m["critic_grads"])
         if not self._finite(c_loss):
@@ -264,8 +264,9 @@ class SACLearnerWorker(PublishesWeights, Worker):
         actor, bounds = self._manual["actor"], self._manual["bounds"]
         with torch.no_grad():
             try:
-                nxt.set_result(squashed_sample(*actor, b["next_obs"].float().flatten(1), eps[1], bounds)[:2])
-                pi, logp, fwd = squashed_sample(*actor, obs, eps[0], bounds)
+                nxt.set_result(squashed_sample(*actor, b["next_obs"].float().flatten(1), eps[1], bounds,
+                                               self.policy.logp_eps)[:2])
+                pi, logp, fwd = squashed_sample(*actor, obs, eps[0], bounds, self.policy.logp_eps)
                 return self._manual_actor_grads(b, obs, pi, logp, fwd, alpha, read)
             except BaseException as e:  # nothing left waiting on what this thread never gave
                 for f in (nxt, read):

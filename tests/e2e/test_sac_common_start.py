@@ -3,6 +3,7 @@ same warm-up transitions as m2flow's flow, to the bit, from the same initial wei
 initial weights are common (both libraries seed torch with the seed, then build the actor first)."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 
 from m2flow import config as C
 from m2flow.flows.embodied import train
+from m2flow.workers.sac_learner import SACLearnerWorker
 
 SEED, STEPS = 3, 2  # m2flow iterations: 4 envs x 16 steps each
 
@@ -73,3 +75,119 @@ def test_without_common_start_sb3_draws_its_own_warm_up_and_critics(m2flow_start
     assert np.abs(sb3["actions"] - replay["actions"]).max() > 0.5
     assert torch.equal(model.actor.latent_pi[0].weight.detach(), policy["trunk.0.weight"])
     assert not torch.equal(model.critic.qf0[0].weight.detach(), critic["critic.qs.0.0.0.weight"])
+
+
+TWIN_STARTS, TWIN_STEPS = 128, 5  # updates from the third iteration on (192 env steps > 128): 3 x 64 gradient steps
+
+
+@pytest.fixture(scope="module")
+def m2flow_twin(cluster, tmp_path_factory):
+    """m2flow's lockstep run of SEED for TWIN_STEPS iterations, learning from TWIN_STARTS env steps on: its
+    checkpoint's buffer, networks and temperature, and its iterations' gradient steps."""
+    bench = _benchmark()
+    bench.SETTINGS.extend([f"sac.learning_starts={TWIN_STARTS}", "sac.logp_eps=1e-6"])  # SB3's log-density
+    run = tmp_path_factory.mktemp("twin")
+    cfg = C.load(C.EmbodiedConfig, bench.PRESET, [*bench.SETTINGS, f"run.dir={run}", "run.name=twin",
+                                                  f"run.seed={SEED}", f"run.steps={TWIN_STEPS}", "run.progress=false",
+                                                  "run.trace=false", "eval.episodes=0", *bench.PLANS["lockstep"]])
+    result = train(cfg, cluster)
+    ckpt = Path(result["checkpoint"])
+    updates = [json.loads(line)["sac/updates"] for line in open(run / "twin" / "metrics.jsonl")]
+    state = {**load_file(str(ckpt / "policy.safetensors")), **load_file(str(ckpt / "sac_critic.safetensors"))}
+    replay = {k[len("data."):]: v.numpy() for k, v in load_file(str(ckpt / "replay.safetensors")).items()
+              if k.startswith("data.")}
+    return bench, cfg, replay, state, updates
+
+
+def _twin_of_m2flow(model, cfg, monkeypatch):
+    """Give SB3's run m2flow's remaining random draws: after the warm-up, the exploration noise of m2flow's policy
+    worker (`sample_actions` with `noise_seed(seed, t)`, on SB3's actor's weights); every minibatch's rows, drawn as
+    m2flow's buffer draws them (its flat row r is SB3's step r // n_envs of env r % n_envs); the reparameterization
+    noise of each gradient step, drawn as m2flow's learner draws it (the actor's actions, then the next
+    observations')."""
+    from stable_baselines3.common.type_aliases import ReplayBufferSamples
+
+    from m2flow.workers.policy import make_policy, noise_seed, sample_actions
+
+    seed, warm_up, n_envs = cfg.run.seed, model._sample_action, model.n_envs
+    policy = make_policy(cfg, model.observation_space, model.action_space).eval()
+
+    def sample_action(learning_starts, action_noise=None, n_envs=1):
+        if model.num_timesteps < learning_starts:
+            return warm_up(learning_starts, action_noise, n_envs)
+        with torch.no_grad():
+            for src, dst in [(model.actor.latent_pi, policy.trunk), (model.actor.mu, policy.mu),
+                             (model.actor.log_std, policy.log_std_head)]:
+                for a, b in zip(src.parameters(), dst.parameters(), strict=True):
+                    b.copy_(a)
+            obs = torch.as_tensor(model._last_obs, dtype=torch.float32)
+            t = model.num_timesteps // n_envs  # m2flow's policy time step
+            actions = sample_actions(policy, obs, noise_seed(seed, t), 0, n_envs)[0].numpy()
+        return actions, model.policy.scale_action(actions)
+
+    rb, rows = model.replay_buffer, torch.Generator().manual_seed(seed + 4242)
+
+    def sample(batch_size, env=None):
+        r = torch.randint(0, rb.pos * n_envs, (batch_size,), generator=rows).numpy()
+        t, e = r // n_envs, r % n_envs  # (SB3's _get_samples, with these env indices instead of its own draw)
+        return ReplayBufferSamples(*map(rb.to_torch, (rb.observations[t, e], rb.actions[t, e],
+                                                      rb.next_observations[t, e],
+                                                      (rb.dones[t, e] * (1 - rb.timeouts[t, e]))[:, None],
+                                                      rb.rewards[t, e][:, None])))
+
+    gen, noise = torch.Generator().manual_seed(seed + 777), []
+
+    def rsample(self, sample_shape=torch.Size()):
+        if not noise:
+            noise.extend(torch.randn((2, *self.loc.shape), generator=gen))
+        return self.loc + self.scale * noise.pop(0)
+
+    model._sample_action = sample_action
+    monkeypatch.setattr(rb, "sample", sample)
+    monkeypatch.setattr(torch.distributions.Normal, "rsample", rsample)
+    return noise
+
+
+def _weight_gaps(bench, model, state: dict) -> dict[str, float]:
+    """The largest difference between SB3's weights and m2flow's checkpoint's `state`, per network and temperature."""
+    learner = SACLearnerWorker(C.load(C.EmbodiedConfig, bench.PRESET, [*bench.SETTINGS, "sac.buffer_size=1"]),
+                               model.observation_space, model.action_space)
+    learner.policy.load_state_dict({k: v for k, v in state.items() if not k.startswith(("critic.", "target.", "log_"))
+                                    or k.startswith("log_std_head.")})
+    learner.critic.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("critic.")})
+    learner.target.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("target.")})
+    pairs = {"actor": [(learner.policy.trunk, model.actor.latent_pi), (learner.policy.mu, model.actor.mu),
+                       (learner.policy.log_std_head, model.actor.log_std)],
+             "critics": [(learner.critic, model.critic)], "targets": [(learner.target, model.critic_target)]}
+    gaps = {name: max(float((a.detach() - b.detach()).abs().max()) for ours, theirs in modules
+                      for a, b in zip(ours.parameters(), theirs.parameters(), strict=True))
+            for name, modules in pairs.items()}
+    return {**gaps, "log_alpha": abs(float(state["log_alpha"]) - model.log_ent_coef.item())}
+
+
+def test_with_every_draw_common_sb3s_run_is_m2flows_lockstep_run(m2flow_twin, monkeypatch):
+    """SB3 from the common start, given m2flow's exploration noise, minibatch rows and reparameterization noise too
+    (and m2flow SB3's log-density, sac.logp_eps=1e-6), runs m2flow's lockstep run: the same iterations update (once
+    more than learning_starts env steps are in), the same transitions reach the buffer, and after the first 64
+    updates the actors act alike to 1e-6 (measured: 6e-8): the loops (when each acts at random, when and how often
+    it updates, on which rows, in which order) are the same. From there the runs part only as HalfCheetah's dynamics
+    amplify float rounding (measured after 128 more env steps: observations 0.013 apart, weights 9e-5)."""
+    bench, cfg, replay, state, updates = m2flow_twin
+    model, _ = bench.sb3_model(SEED, common=True)
+    noise = _twin_of_m2flow(model, cfg, monkeypatch)
+    per = cfg.env.num_envs * cfg.sac.train_freq  # env steps an iteration
+    n, first = per * TWIN_STEPS, per * (TWIN_STARTS // per + 1)  # first: the first step after the first updates
+    model.learn(total_timesteps=n)
+    assert not noise  # every gradient step took its two draws
+    assert updates == [0, 0, 64, 64, 64] and model._n_updates == sum(updates)
+    rb = model.replay_buffer
+    sb3 = {k: getattr(rb, name)[:rb.pos].reshape(n, -1).astype(np.float32) for k, name in [
+        ("obs", "observations"), ("actions", "actions"), ("rewards", "rewards"), ("next_obs", "next_observations")]}
+    ours = {k: replay[k].reshape(n, -1) for k in sb3}
+    for key in ("obs", "rewards", "next_obs"):  # the warm-up and the first policy steps, before any update
+        np.testing.assert_array_equal(sb3[key][:first], ours[key][:first], err_msg=key)
+    np.testing.assert_allclose(sb3["actions"][:first], ours["actions"][:first], rtol=0, atol=1e-7)
+    np.testing.assert_allclose(sb3["actions"][first:first + cfg.env.num_envs],  # the updated actors' first actions
+                               ours["actions"][first:first + cfg.env.num_envs], rtol=0, atol=1e-6)
+    gaps = _weight_gaps(bench, model, state)
+    assert np.abs(sb3["obs"] - ours["obs"]).max() < 0.1 and max(gaps.values()) < 1e-3, gaps

@@ -32,6 +32,23 @@ def test_squashed_logprob_stays_finite_where_tanh_saturates():
     assert logp.item() == pytest.approx(gaussian.item() - 2 * (2 * math.log(2) - 2 * 30.0), rel=1e-6)
 
 
+def test_squashed_logprob_with_eps_is_sb3s_and_differs_from_the_exact_one_where_actions_saturate():
+    """eps 1e-6: SB3's own SquashedDiagGaussianDistribution.log_prob, from moderate to saturated u; there the exact
+    log-determinant keeps falling (2 log 2 - 2|u|) while SB3's stops near log(1e-6)."""
+    from stable_baselines3.common.distributions import SquashedDiagGaussianDistribution
+
+    torch.manual_seed(0)
+    mean, log_std = torch.randn(6, 3) * torch.tensor([1.0, 3.0, 6.0]), torch.randn(6, 3) * 0.5
+    u = mean + log_std.exp() * torch.randn(6, 3)
+    sb3 = SquashedDiagGaussianDistribution(3).proba_distribution(mean, log_std)
+    ref = sb3.log_prob(torch.tanh(u), gaussian_actions=u)
+    assert sb3.epsilon == 1e-6
+    assert squashed_gaussian_logprob(u, mean, log_std, 1e-6).tolist() == pytest.approx(ref.tolist(), rel=1e-5)
+    saturated = u.abs().amax(1) > 8
+    gap = squashed_gaussian_logprob(u, mean, log_std) - squashed_gaussian_logprob(u, mean, log_std, 1e-6)
+    assert saturated.any() and (gap[saturated] > 1.0).all() and gap[u.abs().amax(1) < 2].abs().max() < 1e-4
+
+
 def test_soft_td_target_bootstraps_through_truncation_but_not_termination():
     r = torch.tensor([1.0, 1.0, 1.0])
     terminated = torch.tensor([False, True, False])

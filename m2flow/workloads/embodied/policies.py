@@ -255,7 +255,8 @@ def build_policy(obs_space: spaces.Box, action_space: spaces.Space, kind: str = 
 class SquashedGaussianActor(nn.Module):
     """SAC's actor (as SB3's): an MLP trunk, then the mean and a state-dependent log std (clamped to [-20, 2]) of a
     Gaussian over u; the action is tanh(u), scaled from [-1, 1] to the Box's bounds. `act` gives actions in the env's
-    units, with the ActorCritic interface (the value is 0: SAC's critics are Q functions, kept by the learner)."""
+    units, with the ActorCritic interface (the value is 0: SAC's critics are Q functions, kept by the learner).
+    `logp_eps`: the log-density's eps (`squashed_gaussian_logprob`; sac.logp_eps)."""
 
     LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
     # behaviour cloning's floor on the std of u and margin from the bounds: a demonstrated action at a bound (the
@@ -264,13 +265,13 @@ class SquashedGaussianActor(nn.Module):
     BC_STD_MIN, BC_BOUND = 0.05, 1 - 1e-2
 
     def __init__(self, obs_dim: int, action_space: spaces.Space, hidden: tuple[int, ...] = (256, 256),
-                 activation: str = "relu"):
+                 activation: str = "relu", logp_eps: float = 0.0):
         super().__init__()
         if not isinstance(action_space, spaces.Box) or not np.all(np.isfinite(action_space.low)) or not np.all(
                 np.isfinite(action_space.high)):
             raise ValueError(f"SAC needs a bounded Box action space (its actions are squashed into the bounds), got "
                              f"{action_space}")
-        self.action_space, self.obs_dim, self.chunk = action_space, obs_dim, 1
+        self.action_space, self.obs_dim, self.chunk, self.logp_eps = action_space, obs_dim, 1, logp_eps
         self.act_shape = tuple(action_space.shape)
         dim = math.prod(self.act_shape)
         self.trunk = _mlp(obs_dim, tuple(hidden), ACTIVATIONS[activation], ortho=False)
@@ -294,7 +295,7 @@ class SquashedGaussianActor(nn.Module):
         """Reparameterized: u = mean + std eps -> (tanh(u) in [-1, 1] [B, A], log pi [B]); gradients flow."""
         mean, log_std = self.dist(obs)
         u = mean + log_std.exp() * eps
-        return torch.tanh(u), squashed_gaussian_logprob(u, mean, log_std)
+        return torch.tanh(u), squashed_gaussian_logprob(u, mean, log_std, self.logp_eps)
 
     def to_env(self, unit: torch.Tensor) -> torch.Tensor:
         """[-1, 1] -> the Box's units, shaped [B, *act]."""
@@ -329,7 +330,7 @@ class SquashedGaussianActor(nn.Module):
         log_std = log_std.clamp(min=math.log(self.BC_STD_MIN))
         u = torch.atanh(self.to_unit(actions).clamp(-self.BC_BOUND, self.BC_BOUND))
         squared = 0.5 * (u - mean).pow(2).sum(-1)
-        logprob = squashed_gaussian_logprob(u, mean.detach(), log_std) - (squared - squared.detach())
+        logprob = squashed_gaussian_logprob(u, mean.detach(), log_std, self.logp_eps) - (squared - squared.detach())
         entropy = (log_std + 0.5 + _HALF_LOG_2PI).sum(-1)
         return logprob, entropy, torch.zeros(len(mean))
 
