@@ -1,6 +1,7 @@
 """`benchmarks/sac_vs_sb3.py --common-start`: SB3's SAC started where m2flow's run of a seed starts collects the
 same warm-up transitions as m2flow's flow, to the bit, from the same initial weights; without it, only the actor's
-initial weights are common (both libraries seed torch with the seed, then build the actor first)."""
+initial weights are common (both libraries seed torch with the seed, then build the actor first). Given m2flow's
+remaining random draws too, SB3's run is m2flow's lockstep run, to float rounding."""
 
 import importlib.util
 import json
@@ -167,7 +168,7 @@ def _weight_gaps(bench, model, state: dict) -> dict[str, float]:
 
 def test_with_every_draw_common_sb3s_run_is_m2flows_lockstep_run(m2flow_twin, monkeypatch):
     """SB3 from the common start, given m2flow's exploration noise, minibatch rows and reparameterization noise too
-    (and m2flow SB3's log-density, sac.logp_eps=1e-6), runs m2flow's lockstep run: the same iterations update (once
+    (m2flow on SB3's log-density, sac.logp_eps=1e-6), runs m2flow's lockstep run: the same iterations update (once
     more than learning_starts env steps are in), the same transitions reach the buffer, and after the first 64
     updates the actors act alike to 1e-6 (measured: 6e-8): the loops (when each acts at random, when and how often
     it updates, on which rows, in which order) are the same. From there the runs part only as HalfCheetah's dynamics
