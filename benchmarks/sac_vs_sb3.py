@@ -26,6 +26,8 @@ threads (2 here), as a user runs it. `--set` overrides the preset for both libra
 already on disk). The 1-minute load average is sampled during each run. `--common-start` starts SB3 where m2flow's
 run of the seed starts (m2flow's initial weights and warm-up actions; the envs' start states are common anyway), so
 that a seed's luck in its start is shared by both libraries and the per-seed returns compare what comes after.
+`--set sac.logp_eps=1e-6` gives m2flow SB3's log-density (the preset's is the exact one): the one number in which
+m2flow's SAC computes something other than SB3's (tests/e2e/test_sac_common_start.py runs the two as twins).
 """
 
 from __future__ import annotations
