@@ -93,6 +93,13 @@ def sb3_run(steps: int, seed: int, out: Path, common: bool = False) -> dict:
             "return_std": float(np.std(returns)), "eval_seeded": True, "common_start": common}
 
 
+def actor_pairs(policy, model) -> list:
+    """m2flow's SAC actor's modules (trunk, mean head, log-std head) beside SB3's `model`'s, parameters in the same
+    order."""
+    return [(policy.trunk, model.actor.latent_pi), (policy.mu, model.actor.mu), (policy.log_std_head,
+                                                                                model.actor.log_std)]
+
+
 def common_start(model, seed: int) -> None:
     """Start SB3's `model` where m2flow's run of `seed` starts, so that a seed's luck in its start is common to both
     libraries and their per-seed returns differ by what comes after: m2flow's initial weights (its SAC learner's for
@@ -112,8 +119,7 @@ def common_start(model, seed: int) -> None:
     its = C.load(C.EmbodiedConfig, PRESET, [*SETTINGS, f"run.seed={seed}", "sac.buffer_size=1"])
     learner = SACLearnerWorker(its, model.observation_space, model.action_space)
     with torch.no_grad():
-        for src, dst in [(learner.policy.trunk, model.actor.latent_pi), (learner.policy.mu, model.actor.mu),
-                         (learner.policy.log_std_head, model.actor.log_std), (learner.critic, model.critic),
+        for src, dst in [*actor_pairs(learner.policy, model), (learner.critic, model.critic),
                          (learner.target, model.critic_target)]:
             for a, b in zip(src.parameters(), dst.parameters(), strict=True):
                 if a.shape != b.shape:

@@ -100,7 +100,7 @@ def m2flow_twin(cluster, tmp_path_factory):
     return bench, cfg, replay, state, updates
 
 
-def _twin_of_m2flow(model, cfg, monkeypatch):
+def _twin_of_m2flow(bench, model, cfg, monkeypatch):
     """Give SB3's run m2flow's remaining random draws: after the warm-up, the exploration noise of m2flow's policy
     worker (`sample_actions` with `noise_seed(seed, t)`, on SB3's actor's weights); every minibatch's rows, drawn as
     m2flow's buffer draws them (its flat row r is SB3's step r // n_envs of env r % n_envs); the reparameterization
@@ -117,8 +117,7 @@ def _twin_of_m2flow(model, cfg, monkeypatch):
         if model.num_timesteps < learning_starts:
             return warm_up(learning_starts, action_noise, n_envs)
         with torch.no_grad():
-            for src, dst in [(model.actor.latent_pi, policy.trunk), (model.actor.mu, policy.mu),
-                             (model.actor.log_std, policy.log_std_head)]:
+            for dst, src in bench.actor_pairs(policy, model):
                 for a, b in zip(src.parameters(), dst.parameters(), strict=True):
                     b.copy_(a)
             obs = torch.as_tensor(model._last_obs, dtype=torch.float32)
@@ -157,9 +156,8 @@ def _weight_gaps(bench, model, state: dict) -> dict[str, float]:
                                     or k.startswith("log_std_head.")})
     learner.critic.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("critic.")})
     learner.target.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("target.")})
-    pairs = {"actor": [(learner.policy.trunk, model.actor.latent_pi), (learner.policy.mu, model.actor.mu),
-                       (learner.policy.log_std_head, model.actor.log_std)],
-             "critics": [(learner.critic, model.critic)], "targets": [(learner.target, model.critic_target)]}
+    pairs = {"actor": bench.actor_pairs(learner.policy, model), "critics": [(learner.critic, model.critic)],
+             "targets": [(learner.target, model.critic_target)]}
     gaps = {name: max(float((a.detach() - b.detach()).abs().max()) for ours, theirs in modules
                       for a, b in zip(ours.parameters(), theirs.parameters(), strict=True))
             for name, modules in pairs.items()}
@@ -175,7 +173,7 @@ def test_with_every_draw_common_sb3s_run_is_m2flows_lockstep_run(m2flow_twin, mo
     amplify float rounding (measured after 128 more env steps: observations 0.013 apart, weights 9e-5)."""
     bench, cfg, replay, state, updates = m2flow_twin
     model, _ = bench.sb3_model(SEED, common=True)
-    noise = _twin_of_m2flow(model, cfg, monkeypatch)
+    noise = _twin_of_m2flow(bench, model, cfg, monkeypatch)
     per = cfg.env.num_envs * cfg.sac.train_freq  # env steps an iteration
     n, first = per * TWIN_STEPS, per * (TWIN_STARTS // per + 1)  # first: the first step after the first updates
     model.learn(total_timesteps=n)
