@@ -241,7 +241,18 @@ def one(args) -> None:
     result = (sb3_run(args.steps, args.seed, out, args.common_start) if args.one == "sb3"
               else m2flow_run(args.steps, args.seed, args.one, out))
     result["wall_s"] = time.perf_counter() - START
+    result["cpus"] = len(os.sched_getaffinity(0))  # fewer than the machine's: pinned (taskset); see `alike`
+    result["omp_threads"] = os.environ.get("OMP_NUM_THREADS")
     (out / f"{args.one}_{args.seed}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+def alike(a: dict, b: dict) -> bool:
+    """Whether runs `a` and `b` had the machine alike (the same cores, the same OMP_NUM_THREADS), so that their wall
+    times stand beside each other: not so for an SB3 run pinned to one core with one thread beside an m2flow run on
+    the whole machine. JSON written before this was recorded had the whole machine."""
+    def setting(r):
+        return r.get("cpus", os.cpu_count()), r.get("omp_threads")
+    return setting(a) == setting(b)
 
 
 def table(results: list[dict]) -> str:
@@ -254,10 +265,11 @@ def table(results: list[dict]) -> str:
         return f"{statistics.median(values):.{digits}f}" if values else "-"
 
     def ratio(rs, key):
-        return median((r[key] / sb3[r["seed"]][key] for r in rs if key in r and key in sb3.get(r["seed"], {})), 2)
+        return median((r[key] / sb3[r["seed"]][key] for r in rs
+                       if key in r and key in sb3.get(r["seed"], {}) and alike(r, sb3[r["seed"]])), 2)
 
-    lines = ["| runner | seeds | env steps | wall s (median) | wall / SB3's (median) | train s (median) | train / SB3's "
-             "(median) | env steps/s in training (median) | return (median of seeds) | load |",
+    lines = ["| runner | seeds | env steps | wall s (median) | wall / SB3's (median) | train s (median) "
+             "| train / SB3's (median) | env steps/s in training (median) | return (median of seeds) | load |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for runner in dict.fromkeys(r["runner"] for r in results):
         rs = [r for r in results if r["runner"] == runner]
@@ -281,8 +293,10 @@ def by_seed(results: list[dict]) -> str:
         r, sb3 = runs.get((runner, seed)), runs.get(("sb3", seed))
         if r is None:
             return "- | -"
-        ratio = f" ({r['wall_s'] / sb3['wall_s']:.2f}x)" if sb3 and runner != "sb3" and "wall_s" in sb3 else ""
-        return f"{r['return_mean']:.0f} | {r['wall_s']:.0f}{ratio}"
+        ratio = (f" ({r['wall_s'] / sb3['wall_s']:.2f}x)" if sb3 and runner != "sb3" and "wall_s" in sb3
+                 and alike(r, sb3) else "")
+        pinned = "" if alike(r, {}) else f" ({r['cpus']} core(s), OMP_NUM_THREADS={r['omp_threads']})"
+        return f"{r['return_mean']:.0f} | {r['wall_s']:.0f}{ratio}{pinned}"
 
     lines = ["| seed | " + " | ".join(f"{n} return | {n} wall s" for n in runners) + " |",
              "| --- |" + " --- | --- |" * len(runners)]

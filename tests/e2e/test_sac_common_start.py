@@ -190,3 +190,25 @@ def test_with_every_draw_common_sb3s_run_is_m2flows_lockstep_run(m2flow_twin, mo
                                ours["actions"][first:first + cfg.env.num_envs], rtol=0, atol=1e-6)
     gaps = _weight_gaps(bench, model, state)
     assert np.abs(sb3["obs"] - ours["obs"]).max() < 0.1 and max(gaps.values()) < 1e-3, gaps
+
+
+def test_the_summary_sets_wall_times_side_by_side_only_for_runs_that_had_the_machine_alike():
+    """An SB3 run pinned to one core with one thread (as the common-start seeds were run, two at once) gets no wall
+    ratio beside an m2flow run on the whole machine, and says how it ran; runs alike (or JSON from before the
+    setting was recorded) keep theirs. Returns are compared either way."""
+    bench = _benchmark()
+    whole = {"cpus": bench.os.cpu_count(), "omp_threads": None}
+    runs = [{"runner": "sb3", "seed": 0, "env_steps": 100, "wall_s": 3000.0, "train_s": 2900.0,
+             "env_steps_per_s": 34.0, "return_mean": 4324.0, "cpus": 1, "omp_threads": "1"},
+            {"runner": "sb3", "seed": 1, "env_steps": 100, "wall_s": 2000.0, "train_s": 1900.0,
+             "env_steps_per_s": 52.0, "return_mean": 5383.0, **whole},
+            {"runner": "m2flow overlapped", "seed": 0, "env_steps": 100, "wall_s": 1200.0, "train_s": 1100.0,
+             "env_steps_per_s": 90.0, "return_mean": 6247.0},
+            {"runner": "m2flow overlapped", "seed": 1, "env_steps": 100, "wall_s": 1100.0, "train_s": 1000.0,
+             "env_steps_per_s": 100.0, "return_mean": 4997.0, **whole}]
+    rows = {line.split(" |")[0]: line for line in bench.by_seed(runs).splitlines()}
+    assert rows["| 0"] == "| 0 | 4324 | 3000 (1 core(s), OMP_NUM_THREADS=1) | 6247 | 1200 |"
+    assert rows["| 1"] == "| 1 | 5383 | 2000 | 4997 | 1100 (0.55x) |"
+    assert "return at least SB3's on 1 of the 2 seeds" in bench.by_seed(runs)
+    m2flow_row = next(line for line in bench.table(runs).splitlines() if line.startswith("| m2flow"))
+    assert m2flow_row.split(" | ")[4] == "0.55"  # wall / SB3's: seed 1's alone
