@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from m2flow import config as C
 from m2flow.engines.hf import load_tokenizer
 from m2flow.runtime import Channel, Cluster, concurrent, launch_cohosted, parse_placement, running
 from m2flow.scheduler.profile import ComponentInfo, Machine, Measurement, Profile, Transfer, Weights
@@ -34,12 +35,13 @@ from m2flow.workers.tool import ToolWorker
 from m2flow.workloads.reasoning.tasks import build_datasets
 from m2flow.workloads.reasoning.warm_start import prepare_model
 
-COMPONENTS = ("rollout", "reward", "inference", "actor")  # algorithm.name=ppo: and the critic before the actor
-
 
 def components_of(cfg) -> tuple[str, ...]:
-    """The components the reasoning flow runs for `cfg` (the critic with `algorithm.name=ppo`), in data order."""
-    return (*COMPONENTS[:3], "critic", "actor") if cfg.algorithm.name == "ppo" else COMPONENTS
+    """The components of the reasoning flow for `cfg` that a profile measures, in data order
+    (`config.reasoning_components`: the critic with `algorithm.name=ppo`), the tool component aside."""
+    return tuple(c for c in C.reasoning_components(cfg) if c != "tool")
+
+
 BURST_SHARE = 0.5  # rollout "does not stream" when its first output came after this share of its work
 
 
