@@ -219,7 +219,7 @@ def test_cluster_foreground_keeps_the_learner_at_its_priority_and_lowers_the_res
     seen, stop = [], threading.Event()
 
     def sample():  # foreground lowers the driver after every other process, and restores it before them
-        while not stop.wait(0.1):
+        while not stop.wait(0.02):
             before, titles = os.getpriority(os.PRIO_PROCESS, os.getpid()), _nice_by_title()
             seen.append((min(before, os.getpriority(os.PRIO_PROCESS, os.getpid())), titles))
 
@@ -227,12 +227,12 @@ def test_cluster_foreground_keeps_the_learner_at_its_priority_and_lowers_the_res
     sampler.start()
     try:
         result = train(cfg_for(tmp_path, "fg", "cluster.placement=env,rollout: 0; actor: 1", "cluster.foreground=actor",
-                               "sac.max_policy_lag=1", "policy.hidden=[32,32]", "run.steps=24",
+                               "sac.max_policy_lag=1", "policy.hidden=[32,32]", "run.steps=48",
                                "sac.learning_starts=63", "eval.episodes=0"), cluster)
     finally:
         stop.set()
         sampler.join()
-    assert result["iterations"] == 24
+    assert result["iterations"] == 48
     during = [titles for driver, titles in seen if driver == 19 and "m2flow:actor:0" in titles
               and "m2flow:env:0+rollout:0" in titles]
     assert len(during) >= 3, f"{len(seen)} samples, {len(during)} with the driver at nice 19"
