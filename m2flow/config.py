@@ -559,13 +559,18 @@ class AgentConfig:
 class SFTConfig:
     steps: int = opt(0, "supervised warm-start steps on the task's reference answers before RL (0: none)")
     batch_size: int = opt(64, "SFT batch size")
-    lr: float = opt(3e-3, "SFT learning rate (cosine decay)")
+    lr: float = opt(3e-3, "SFT learning rate (cosine decay over sft.steps)")
+    target_accuracy: float = opt(0.0, "stop the warm start early once its training batches' exact match (teacher-"
+                                      "forced greedy: every answer token the argmax), averaged over the last 10 "
+                                      "steps, reaches this; 0: run all sft.steps")
     tool_fraction: float = opt(1.0, "with a calc tool (agent.tools): the share of the warm start's references that "
                                     "call it; the others answer directly (a seeded draw per problem)")
 
     def validate(self, where: str) -> None:
         if not 0.0 <= self.tool_fraction <= 1.0:
             raise ConfigError(f"{where}.tool_fraction must be in [0, 1], got {self.tool_fraction}")
+        if not 0.0 <= self.target_accuracy <= 1.0:
+            raise ConfigError(f"{where}.target_accuracy must be in [0, 1], got {self.target_accuracy}")
 
 
 def refill_reward_ranks(cfg, ranks: int) -> None:

@@ -276,17 +276,23 @@ def sft(
     warmup_steps: int | None = None,
     schedule: str = "cosine",
     weight_decay: float = 0.0,
+    target_accuracy: float = 0.0,
+    accuracy_window: int = 10,
 ) -> list[float]:
     """Fine-tune on prompt -> answer + eos with the loss on answer (and eos) tokens only; returns per-step losses.
 
     Each step samples `batch_size` pairs (seeded, without replacement within an epoch), AdamW,
     linear warmup (5% of the steps when None) then cosine decay to 10% of lr (`schedule="constant"` keeps
-    lr flat after warmup). Leaves the model in eval mode.
+    lr flat after warmup). With `target_accuracy` > 0 it stops early, after the first step at which the batches'
+    exact match (`batch_exact_match`), averaged over the last `accuracy_window` steps, reaches it: the schedule
+    still spans `steps`. Leaves the model in eval mode.
     """
     if not pairs:
         raise ValueError("sft: no (prompt, answer) pairs")
     if schedule not in ("cosine", "constant"):
         raise ValueError(f"sft: schedule must be 'cosine' or 'constant', got {schedule!r}")
+    if not 0.0 <= target_accuracy <= 1.0:
+        raise ValueError(f"sft: target_accuracy must be in [0, 1], got {target_accuracy}")
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("sft: the tokenizer has no eos_token_id (needed to end answers)")
@@ -299,6 +305,7 @@ def sft(
     model.train()
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
     losses: list[float] = []
+    matches: list[float] = []
     with _progress(progress, steps) as advance:
         for step in range(steps):
             for group in optim.param_groups:
@@ -309,17 +316,33 @@ def sft(
                 order.extend(fresh)
             idx, order = order[:batch_size], order[batch_size:]
             batch = collate([encoded[i] for i in idx], pad)
-            logp = token_logprobs(model, batch)
+            start = _first_needed(batch)
+            logits = _logits(model, batch, start)
+            logp = _shifted_stats(logits, batch["input_ids"], 1.0, False, start=start)[0]
             mask = batch["response_mask"].to(logp.device)
             loss = -(logp * mask).sum() / mask.sum()
+            matches.append(batch_exact_match(logits.detach(), batch, start))
             optim.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optim.step()
             losses.append(loss.item())
-            advance(loss.item())
+            recent = sum(matches[-accuracy_window:]) / len(matches[-accuracy_window:])
+            advance(loss.item(), recent)
+            if target_accuracy and len(matches) >= accuracy_window and recent >= target_accuracy:
+                break
     model.eval()
     return losses
+
+
+def batch_exact_match(logits: torch.Tensor, batch: dict[str, torch.Tensor], start: int = 0) -> float:
+    """The share of a batch's rows whose every response token is the argmax of the logits before it (teacher
+    forcing): the rows greedy decoding would answer exactly (answer and eos), read off the training pass's logits.
+    `logits` [B, L - start, V] as `_logits` returns them."""
+    targets = batch["input_ids"][:, start + 1:].to(logits.device)
+    scored = batch["response_mask"][:, start + 1:].to(logits.device).bool()
+    right = (logits[:, :-1].argmax(-1) == targets) | ~scored
+    return right.all(dim=1).float().mean().item()
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -336,23 +359,23 @@ def _lr_factor(step: int, steps: int, warmup: int, schedule: str) -> float:
 
 
 class _progress:
-    """Context manager yielding advance(loss): a rich progress bar when enabled, else a no-op."""
+    """Context manager yielding advance(loss, exact_match): a rich progress bar when enabled, else a no-op."""
 
     def __init__(self, enabled: bool, total: int):
         self.enabled, self.total = enabled, total
 
     def __enter__(self):
         if not self.enabled:
-            return lambda loss: None
+            return lambda loss, match: None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.bar = Progress(
             TextColumn("sft"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
-            TimeRemainingColumn(),
+            TextColumn("exact match {task.fields[match]:.0%}"), TimeRemainingColumn(),
         )
         self.bar.start()
-        task = self.bar.add_task("sft", total=self.total, loss=float("nan"))
-        return lambda loss: self.bar.update(task, advance=1, loss=loss)
+        task = self.bar.add_task("sft", total=self.total, loss=float("nan"), match=0.0)
+        return lambda loss, match: self.bar.update(task, advance=1, loss=loss, match=match)
 
     def __exit__(self, *exc):
         if self.enabled:

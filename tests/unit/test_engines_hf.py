@@ -344,6 +344,37 @@ def test_sft_lowers_loss_on_arithmetic(model, tok):
     assert last < 0.5 * first, (first, last)
 
 
+def test_batch_exact_match_counts_rows_whose_every_response_token_is_the_argmax():
+    batch = collate([([1, 2], [3, 4]), ([1], [5, 6, 7]), ([1, 2, 3], [8])], pad_id=0)  # L = 4; row 2 ends padded
+    L, V = batch["input_ids"].shape[1], 10
+    logits = torch.zeros(3, L, V)
+    logits[:, :-1].scatter_(-1, batch["input_ids"][:, 1:, None], 1.0)  # logits at t predict the token at t + 1
+    assert train_mod.batch_exact_match(logits, batch) == 1.0
+    logits[0, 0, 9] = 2.0  # a prompt position of row 0 (predicts the prompt's 2): not scored
+    logits[2, 3, 9] = 2.0  # row 2's padding: not scored
+    assert train_mod.batch_exact_match(logits, batch) == 1.0
+    logits[1, 2, 9] = 2.0  # row 1's last answer token (7, predicted at 2) is not the argmax
+    assert train_mod.batch_exact_match(logits, batch) == pytest.approx(2 / 3)
+    assert train_mod.batch_exact_match(logits[:, 1:], batch, start=1) == pytest.approx(2 / 3)  # from `_logits(.., 1)`
+
+
+def test_sft_stops_at_its_target_accuracy_where_greedy_decoding_answers_as_often(model, tok):
+    """A target accuracy ends the warm start early; the exact match it reads off the training pass is what greedy
+    decoding answers exactly."""
+    pairs = [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
+    losses = sft(model, tok, pairs, steps=400, batch_size=32, lr=3e-3, seed=0, progress=False, target_accuracy=0.3)
+    assert 10 <= len(losses) < 400
+    encoded = [(tok(p)["input_ids"], tok(a)["input_ids"] + [tok.eos_token_id]) for p, a in pairs]
+    with torch.no_grad():
+        teacher_forced = train_mod.batch_exact_match(train_mod._logits(model, collate(encoded, tok.eos_token_id)),
+                                                     collate(encoded, tok.eos_token_id))
+    out = HFEngine(model, tok).generate([p for p, _ in encoded], SamplingParams(max_new_tokens=3, temperature=0))
+    greedy = sum(g[0].response_ids[:len(a)] == a for g, (_, a) in zip(out, encoded)) / len(pairs)  # answer, eos
+    assert teacher_forced == pytest.approx(greedy, abs=1e-6) and 0.2 <= greedy < 1, (greedy, teacher_forced)
+    with pytest.raises(ValueError, match="target_accuracy must be in \\[0, 1\\], got 1.5"):
+        sft(model, tok, pairs, steps=1, target_accuracy=1.5, progress=False)
+
+
 def test_the_native_engine_hands_a_mixture_of_experts_to_hf_generate(moe_dir):
     """The native engine runs dense Qwen2 and Llama: for another model HF generate takes over with a warning, except
     where multi-turn tool rollouts need the native engine (an error naming why)."""

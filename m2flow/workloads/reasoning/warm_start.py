@@ -38,7 +38,10 @@ def sft_model(model_path: str, out: str, cfg, progress: bool = True) -> list[flo
     torch.manual_seed(cfg.run.seed)
     model, tok = load_model(model_path), load_tokenizer(model_path)
     losses = sft(model, tok, sft_pairs(cfg), steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
-                 seed=cfg.run.seed, progress=progress)
+                 seed=cfg.run.seed, progress=progress, target_accuracy=cfg.sft.target_accuracy)
+    if len(losses) < cfg.sft.steps:
+        print(f"[m2flow sft] stopped after {len(losses)} of {cfg.sft.steps} steps: the training batches' exact match "
+              f"reached sft.target_accuracy={cfg.sft.target_accuracy:g}")
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return losses
