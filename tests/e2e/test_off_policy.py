@@ -78,23 +78,20 @@ def test_one_step_off_policy_learns(cluster, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_one_step_off_policy_raises_held_out_accuracy_on_arithmetic(cluster, tmp_path):
-    """The main job's task and start (the demo: tiny Qwen2, SFT warm start of 800 steps on 2-digit addition, exact-match
-    reward), pipelined, every sample one weight version old: 12 GRPO steps raise held-out greedy pass@1 on 200
-    problems by 5 points or more (measured: 34.0% -> 43.5%, 47.5% at step 6). At the demo's peak rate of 2e-4 the
-    lagged updates overshoot on this model (34.0% -> 23.0% in 30 steps, on-policy 47.5%), hence lr 1e-4."""
+    """The main job's task and start (the demo: tiny Qwen2, SFT warm start to 30% exact match on 2-digit addition,
+    exact-match reward), pipelined, every sample one weight version old: 40 GRPO steps at lr 1e-4 raise held-out
+    greedy pass@1 on 200 problems (measured on an Intel Xeon: 35.5% -> 40.5%; at lr 2e-4 39.0%, and on-policy at
+    2e-4 38.5%; on an AMD EPYC, from the 800-step start the demo had then, 34.0% -> 43.5% in 12 steps)."""
     from m2flow.demo import run_demo
 
-    result = run_demo([f"run.dir={tmp_path}", "run.name=heldout", "run.progress=false", "run.steps=12",
+    result = run_demo([f"run.dir={tmp_path}", "run.name=heldout", "run.progress=false", "run.steps=40",
                        "run.eval_every=0", "run.save_every=0", "data.eval_size=200", "actor.lr=1e-4",
                        "algorithm.max_staleness=1", PIPELINED], cluster)
     metrics = rows(tmp_path / "heldout")
-    assert [r["actor/staleness_max"] for r in metrics] == [0] + [1] * 11 and all(
+    assert [r["actor/staleness_max"] for r in metrics] == [0] + [1] * 39 and all(
         r["actor/staleness_mean"] == r["actor/staleness_max"] for r in metrics)  # every sample exactly one step old
     before, after = result["before"]["pass@1"], result["after"]["pass@1"]
-    if before < 0.2:  # the SFT's 800 steps end on the steep part of its curve, where the CPU's float kernels move it
-        pytest.skip(f"the SFT start ({before:.1%}) is too weak for GRPO to lift in 12 steps: 34.0% on an AMD EPYC "
-                    "(AVX2), 12.0% on an Intel Xeon (AVX-512), where 30 steps kept it at 11-12.5%")
-    assert after >= before + 0.05, f"held-out pass@1 {before:.1%} -> {after:.1%}"
+    assert after >= before + 0.025, f"held-out pass@1 {before:.1%} -> {after:.1%}"
 
 
 def test_resume_with_steps_in_flight(cluster, tmp_path):
