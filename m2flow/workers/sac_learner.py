@@ -59,6 +59,33 @@ def _intra_op_threads(n: int | None):
         torch.set_num_threads(before)
 
 
+class _Pipe:
+    """The hand-offs of `SACLearnerWorker._manual_parallel_updates`' two threads over n steps, a future each per
+    step: the pool's thread gives `batch` (minibatch, noise), `nxt` (the next actions, their log pi), `read` (the
+    actor's log pi, once the critics' weights are read) and `done` (the actor's loss, the BC term); the critics'
+    thread gives `ready` (the critics stepped to the step's, and its temperature) and `go` (the critics' loss is
+    finite: the step is taken)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.batch, self.nxt, self.read, self.done = ([Future() for _ in range(n)] for _ in range(4))
+        self.ready, self.go = [Future() for _ in range(n)], [Future() for _ in range(n)]
+
+    def fail(self, error: BaseException) -> None:
+        """The pool's thread failed: whatever the critics' thread waits on raises its error."""
+        _raise_in([*self.batch, *self.nxt, *self.read, *self.done], error)
+
+    def cancel(self, error: BaseException) -> None:
+        """The critics' thread failed: whatever the pool's thread waits on raises its error."""
+        _raise_in([*self.ready, *self.go], error)
+
+
+def _raise_in(futures: list[Future], error: BaseException) -> None:
+    for f in futures:
+        if not f.done():
+            f.set_exception(error)
+
+
 class SACLearnerWorker(PublishesWeights, Worker):
     def __init__(self, cfg, obs_space, action_space):
         if self.world_size > 1:
@@ -160,7 +187,10 @@ class SACLearnerWorker(PublishesWeights, Worker):
         if self.env_steps <= starts or len(self.buffer) < min(max(starts, 1), self.buffer.capacity) or not n:
             return {"sac/updates": 0}
         with self.device_phase("train", step), _intra_op_threads(self._threads):
-            done = [x for x in (self._update() for _ in range(n)) if x is not None]
+            if self._manual is not None and self._pool is not None:
+                done = self._manual_parallel_updates(n)
+            else:
+                done = [x for x in (self._update() for _ in range(n)) if x is not None]
         stats = torch.stack(done).mean(0).tolist() if done else [float("nan")] * len(STATS)
         out = {**dict(zip(STATS, stats)), "sac/updates": len(done), "actor/nonfinite_skipped": n - len(done)}
         if not self.cfg.sac.bc_coef:
@@ -170,9 +200,9 @@ class SACLearnerWorker(PublishesWeights, Worker):
     def _update(self) -> torch.Tensor | None:
         """One gradient step (temperature, critics, actor, targets, in SB3's order) -> its stats; None when it was
         dropped for a non-finite loss (actor.nonfinite=skip)."""
-        s = self.cfg.sac
-        b = self._sample(s.batch_size)
-        eps = torch.randn((2, s.batch_size, *self.policy.mu.bias.shape), generator=self.gen)
+        if self._manual is not None and self._pool is not None:
+            return next(iter(self._manual_parallel_updates(1)), None)
+        b, eps = self._draw()
         alpha = self.log_alpha.detach().exp()  # this step's temperature, before its own update (as SB3)
         if self._manual is not None:
             with torch.no_grad():
@@ -214,8 +244,6 @@ class SACLearnerWorker(PublishesWeights, Worker):
     def _manual_update(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
         """sac.grad=manual: `_update`'s step with the gradients written out (m2flow.algorithms.sac_grad) into the
         parameters' kept `.grad` tensors; under no_grad."""
-        if self._pool is not None:
-            return self._manual_parallel_update(b, eps, alpha)
         m, obs = self._manual, b["obs"].float().flatten(1)
         pi, logp, fwd = squashed_sample(*m["actor"], obs, eps[0], m["bounds"], self.policy.logp_eps)
         target = self._td_target(b, eps[1], alpha)
@@ -229,50 +257,75 @@ class SACLearnerWorker(PublishesWeights, Worker):
         self._actor_step()
         return self._after_step(c_loss, a_loss, bc, alpha, logp, q[0].mean())
 
-    def _manual_parallel_update(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
-        """`_parallel_update`'s step under sac.grad=manual. The pool's thread samples the next observations' actions
-        (for the TD target), then takes the actor's gradient through the critics as they are before this step; once
-        it has read the critics, this thread, done with their gradient, steps the temperature, the critics and the
-        targets while the pool's thread finishes the actor's gradient; then the actor steps."""
-        m, obs = self._manual, b["obs"].float().flatten(1)
-        x = torch.cat([obs, b["actions"]], 1)
-        nxt, read = Future(), Future()
-        actor = self._pool.submit(self._manual_actor_gradient, b, obs, eps, alpha, nxt, read)
-        try:
-            runs = critics_forward(m["critics"], x)  # while the next actions are sampled
-            target = self._td_target(b, eps[1], alpha, nxt.result())
-            c_loss, q = critics_loss_grads(m["critics"], x, target, m["critic_grads"], runs)
-            if not self._finite(c_loss):
-                actor.result()
-                return None
-            logp = read.result()  # the actor's log pi, once the pool's thread is done with the critics' weights
-            self._manual_temperature_step(logp)
-            self._critic_step()
-            self._move_targets()
-        except BaseException:
-            actor.result()  # the pool's thread's own error first, when it had one; never left running
-            raise
-        a_loss, bc = actor.result()
-        self._actor_step()
-        return self._stats(c_loss, a_loss, bc, alpha, logp, q[0].mean())
+    def _draw(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """A step's minibatch and its reparameterization noise [2, B, action] (the actor's, the next actions')."""
+        n = self.cfg.sac.batch_size
+        return self._sample(n), torch.randn((2, n, *self.policy.mu.bias.shape), generator=self.gen)
 
-    def _manual_actor_gradient(self, b: dict, obs, eps, alpha, nxt: Future, read: Future):
-        """sac.parallel_update's pool thread under sac.grad=manual: the next observations' actions and their log pi
-        into `nxt`, then the actor's gradient, with its log pi into `read` once the critics' weights are read ->
-        (the actor's loss, the BC term)."""
-        torch.set_num_threads(self._threads)
-        actor, bounds = self._manual["actor"], self._manual["bounds"]
-        with torch.no_grad():
-            try:
-                nxt.set_result(squashed_sample(*actor, b["next_obs"].float().flatten(1), eps[1], bounds,
-                                               self.policy.logp_eps)[:2])
-                pi, logp, fwd = squashed_sample(*actor, obs, eps[0], bounds, self.policy.logp_eps)
-                return self._manual_actor_grads(b, obs, pi, logp, fwd, alpha, read)
-            except BaseException as e:  # nothing left waiting on what this thread never gave
-                for f in (nxt, read):
-                    if not f.done():
-                        f.set_exception(e)
-                raise
+    def _manual_parallel_updates(self, n: int) -> list[torch.Tensor]:
+        """n of sac.parallel_update's steps under sac.grad=manual, pipelined over two threads -> the stats of those
+        not dropped. The pool's thread (`_manual_actor_steps`) draws each step's minibatch and noise, samples the next
+        observations' actions, and takes the actor's gradient through the critics as they are before the step. This
+        thread takes the critics' gradient on the TD target of those actions; once it found their loss finite and
+        the other thread is done reading the critics' weights, it steps the temperature, the critics and the targets,
+        while the other steps the actor and starts on the next step's minibatch. Every generator is drawn from in the
+        one-thread step's order."""
+        m, pipe = self._manual, _Pipe(n)
+        alpha = self.log_alpha.detach().exp()
+        pipe.ready[0].set_result(alpha)
+        job = self._pool.submit(self._manual_actor_steps, pipe)
+        taken = []  # (step, its critics' loss, alpha, log pi, first critic's mean Q) of the steps not dropped
+        try:
+            with torch.no_grad():
+                for k in range(n):
+                    b, eps = pipe.batch[k].result()
+                    x = torch.cat([b["obs"].float().flatten(1), b["actions"]], 1)
+                    runs = critics_forward(m["critics"], x)  # while the next actions are sampled
+                    target = self._td_target(b, eps[1], alpha, pipe.nxt[k].result())
+                    c_loss, q = critics_loss_grads(m["critics"], x, target, m["critic_grads"], runs)
+                    finite = self._finite(c_loss)
+                    pipe.go[k].set_result(finite)
+                    if finite:
+                        logp = pipe.read[k].result()  # once the other thread is done with the critics' weights
+                        self._manual_temperature_step(logp)
+                        self._critic_step()
+                        self._move_targets()
+                        taken.append((k, c_loss, alpha, logp, q[0].mean()))
+                        alpha = self.log_alpha.detach().exp()
+                    if k + 1 < n:
+                        pipe.ready[k + 1].set_result(alpha)
+        except BaseException as e:
+            pipe.cancel(e)  # the other thread's own error first, when it had one; never left running
+            error = job.exception()
+            raise error if error is not None and error is not e else e
+        job.result()
+        return [self._stats(c, *pipe.done[k].result(), a, logp, q) for k, c, a, logp, q in taken]
+
+    def _manual_actor_steps(self, pipe: "_Pipe") -> None:
+        """sac.parallel_update's pool thread under sac.grad=manual, for `_manual_parallel_updates`: per step, the
+        minibatch and noise, the next observations' actions and their log pi, the actor's gradient (its log pi handed
+        over once the critics' weights are read), the actor's step when the critics' loss was finite, then the next
+        step's minibatch."""
+        torch.set_num_threads(self._threads)  # this thread's own OpenMP team, which need not follow the other's
+        actor, bounds, logp_eps = self._manual["actor"], self._manual["bounds"], self.policy.logp_eps
+        try:
+            with torch.no_grad():
+                b, eps = self._draw()
+                for k in range(pipe.n):
+                    pipe.batch[k].set_result((b, eps))
+                    obs = b["obs"].float().flatten(1)
+                    pipe.nxt[k].set_result(squashed_sample(*actor, b["next_obs"].float().flatten(1), eps[1], bounds,
+                                                           logp_eps)[:2])
+                    pi, logp, fwd = squashed_sample(*actor, obs, eps[0], bounds, logp_eps)
+                    alpha = pipe.ready[k].result()  # the critics as this step reads them, and its temperature
+                    pipe.done[k].set_result(self._manual_actor_grads(b, obs, pi, logp, fwd, alpha, pipe.read[k]))
+                    if pipe.go[k].result():  # the other thread drew this step's last numbers (sac.min_qs) by now
+                        self._actor_step()
+                    if k + 1 < pipe.n:
+                        b, eps = self._draw()
+        except BaseException as e:  # nothing left waiting on what this thread never gave
+            pipe.fail(e)
+            raise
 
     def _manual_actor_grads(self, b: dict, obs, pi, logp, fwd, alpha, read: Future | None = None):
         """The actor's loss (actor_loss, and `_actor_objective`'s BC term with sac.bc_coef) and its gradient into

@@ -267,7 +267,7 @@ def test_parallel_steps_equal_their_sequential_reference_over_several_steps():
     assert torch.equal(par.buffer.gen.get_state(), ref.buffer.gen.get_state())
 
 
-@pytest.mark.parametrize("grad, thread_fn", [("autograd", "_actor_gradient"), ("manual", "_manual_actor_gradient")])
+@pytest.mark.parametrize("grad, thread_fn", [("autograd", "_actor_gradient"), ("manual", "_manual_actor_steps")])
 def test_parallel_update_is_deterministic_and_uses_half_the_threads_in_each_of_its_two(grad, thread_fn):
     runs = []
     for _ in range(2):
