@@ -35,3 +35,28 @@ def test_tool_fraction_sets_the_share_of_references_that_call_the_calculator():
 def test_tool_fraction_outside_zero_one_is_refused():
     with pytest.raises(C.ConfigError, match=r"sft.tool_fraction must be in \[0, 1\], got 1.5"):
         C.load(C.ReasoningConfig, "agent_calc", ["sft.tool_fraction=1.5"])
+
+
+def test_sft_target_accuracy_from_the_config_ends_the_warm_start_where_greedy_answers_as_often(tmp_path, capsys):
+    """`sft.target_accuracy` (the demo's): the warm start stops at the first step whose last 10 batches answered that
+    often, says so, and the model it writes answers the training problems about as often."""
+    import torch
+
+    from m2flow.engines.hf import init_tiny_model, load_model, load_tokenizer
+    from m2flow.engines.train import _logits, batch_exact_match, collate
+    from m2flow.workloads.reasoning.warm_start import sft_model
+
+    cfg = C.load(C.ReasoningConfig, "demo", ["model.tiny_hidden=32", "model.tiny_layers=1", "data.digits=1",
+                                             "data.train_size=80", "data.eval_size=10", "sft.steps=400",
+                                             "sft.target_accuracy=0.5", "run.progress=false"])
+    init = init_tiny_model(tmp_path / "init", hidden_size=32, num_layers=1, seed=0)
+    losses = sft_model(str(init), str(tmp_path / "sft"), cfg, progress=False)
+    assert 10 <= len(losses) < 400
+    assert capsys.readouterr().out.strip() == (f"[m2flow sft] stopped after {len(losses)} of 400 steps: the training "
+                                               f"batches' exact match reached sft.target_accuracy=0.5")
+    model, tok = load_model(str(tmp_path / "sft")), load_tokenizer(str(tmp_path / "sft"))
+    pairs = sft_pairs(cfg)
+    batch = collate([(tok(p)["input_ids"], tok(a)["input_ids"] + [tok.eos_token_id]) for p, a in pairs],
+                    tok.eos_token_id)
+    with torch.no_grad():
+        assert batch_exact_match(_logits(model, batch), batch) >= 0.4
