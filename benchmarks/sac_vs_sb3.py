@@ -255,6 +255,11 @@ def alike(a: dict, b: dict) -> bool:
     return setting(a) == setting(b)
 
 
+def whole_machine(r: dict) -> bool:
+    """Whether run `r` had every core and OMP_NUM_THREADS unset (torch's default threads)."""
+    return alike(r, {})
+
+
 def table(results: list[dict]) -> str:
     """The runners' medians over their seeds. A time's ratio to SB3's is the median of the per-seed ratios (the
     issue's target reads the wall time's: at most 0.67), over the seeds SB3 also ran."""
@@ -295,7 +300,7 @@ def by_seed(results: list[dict]) -> str:
             return "- | -"
         ratio = (f" ({r['wall_s'] / sb3['wall_s']:.2f}x)" if sb3 and runner != "sb3" and "wall_s" in sb3
                  and alike(r, sb3) else "")
-        pinned = "" if alike(r, {}) else f" ({r['cpus']} core(s), OMP_NUM_THREADS={r['omp_threads']})"
+        pinned = "" if whole_machine(r) else f" ({r['cpus']} core(s), OMP_NUM_THREADS={r['omp_threads']})"
         return f"{r['return_mean']:.0f} | {r['wall_s']:.0f}{ratio}{pinned}"
 
     lines = ["| seed | " + " | ".join(f"{n} return | {n} wall s" for n in runners) + " |",
