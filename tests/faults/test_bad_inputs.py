@@ -77,6 +77,8 @@ CASES = [
      "config error: data.digits must be >= 1 and data.digits_b >= 0 (0: as digits), got 0 and 0"),
     ("tool share of the warm start outside [0, 1]", ["train", "agent_add", "sft.tool_fraction=1.5"],
      "config error: sft.tool_fraction must be in [0, 1], got 1.5"),
+    ("warm start's target accuracy outside [0, 1]", ["train", "demo", "sft.target_accuracy=30"],
+     "config error: sft.target_accuracy must be in [0, 1], got 30"),
     ("model directory missing", ["train", "grpo_arithmetic", "model.path={tmp}/nope", *TINY],
      "error: model.path: no directory at '{tmp}/nope'"),
     ("model directory without config.json", ["train", "grpo_arithmetic", "model.path={tmp}/empty", *TINY],
