@@ -61,10 +61,10 @@ def _intra_op_threads(n: int | None):
 
 class _Pipe:
     """The hand-offs of `SACLearnerWorker._manual_parallel_updates`' two threads over n steps, a future each per
-    step: the pool's thread gives `batch` (minibatch, noise), `nxt` (the next actions, their log pi), `read` (the
-    actor's log pi, once the critics' weights are read) and `done` (the actor's loss, the BC term); the critics'
-    thread gives `ready` (the critics stepped to the step's, and its temperature) and `go` (the critics' loss is
-    finite: the step is taken)."""
+    step: the pool's thread gives `batch` (minibatch, noise, flat observations), `nxt` (the next actions, their log
+    pi), `read` (the actor's log pi, once the critics' weights are read) and `done` (the actor's loss, the BC term);
+    the critics' thread gives `ready` (the critics stepped to the step's, and its temperature) and `go` (the
+    critics' loss is finite: the step is taken)."""
 
     def __init__(self, n: int):
         self.n = n
@@ -278,8 +278,8 @@ class SACLearnerWorker(PublishesWeights, Worker):
         try:
             with torch.no_grad():
                 for k in range(n):
-                    b, eps = pipe.batch[k].result()
-                    x = torch.cat([b["obs"].float().flatten(1), b["actions"]], 1)
+                    b, eps, obs = pipe.batch[k].result()
+                    x = torch.cat([obs, b["actions"]], 1)
                     runs = critics_forward(m["critics"], x)  # while the next actions are sampled
                     target = self._td_target(b, eps[1], alpha, pipe.nxt[k].result())
                     c_loss, q = critics_loss_grads(m["critics"], x, target, m["critic_grads"], runs)
@@ -312,8 +312,8 @@ class SACLearnerWorker(PublishesWeights, Worker):
             with torch.no_grad():
                 b, eps = self._draw()
                 for k in range(pipe.n):
-                    pipe.batch[k].set_result((b, eps))
                     obs = b["obs"].float().flatten(1)
+                    pipe.batch[k].set_result((b, eps, obs))
                     pipe.nxt[k].set_result(squashed_sample(*actor, b["next_obs"].float().flatten(1), eps[1], bounds,
                                                            logp_eps)[:2])
                     pi, logp, fwd = squashed_sample(*actor, obs, eps[0], bounds, logp_eps)
