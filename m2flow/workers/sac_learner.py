@@ -153,15 +153,23 @@ class SACLearnerWorker(PublishesWeights, Worker):
         """One iteration: take the `producers` env workers' trajectories on `inp` (key: this rank) into the buffer
         and take the iteration's gradient steps, in the order of sac.max_policy_lag."""
         s = self.cfg.sac
-        out, start = {}, time.perf_counter()
+        out, start, updating = {}, time.perf_counter(), 0.0
         if s.max_policy_lag:  # update on what the buffer holds while the env workers collect (a whole iteration's)
-            out = self._updates(step, self._gradient_steps(s.train_freq * self.cfg.env.num_envs))
+            out, updating = self._timed_updates(step, self._gradient_steps(s.train_freq * self.cfg.env.num_envs))
         added = self._take(inp, producers)
         if not s.max_policy_lag:
-            out = self._updates(step, self._gradient_steps(added))
+            out, updating = self._timed_updates(step, self._gradient_steps(added))
         self.version += 1
-        return {**out, "time/update": time.perf_counter() - start, "sac/buffer_size": len(self.buffer),
+        # time/update: the whole call (with taking the trajectories in); time/gradient_steps: the updates alone
+        return {**out, "time/update": time.perf_counter() - start, "time/gradient_steps": updating,
+                "sac/buffer_size": len(self.buffer),
                 "sac/buffer_mib": self.buffer.nbytes / 2**20, "sac/updates_total": self.updates}
+
+    def _timed_updates(self, step: int, n: int) -> tuple[dict, float]:
+        """`_updates` -> (its result, its seconds: 0.0 when it took no gradient step, as before learning_starts)."""
+        start = time.perf_counter()
+        out = self._updates(step, n)
+        return out, (time.perf_counter() - start if "sac/critic_loss" in out else 0.0)
 
     def _take(self, inp, producers: int) -> int:
         items = sorted((inp.get(key=self.rank) for _ in range(producers)), key=lambda x: x["env_rank"])

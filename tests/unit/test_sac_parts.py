@@ -393,7 +393,9 @@ def test_the_updates_start_once_more_than_learning_starts_env_steps_were_collect
     for starts, want in ((64, [0, 64, 64]), (63, [64, 64, 64])):
         learner = _pendulum_learner(f"sac.learning_starts={starts}", "sac.max_policy_lag=0")
         learner.env_steps = 0  # (its buffer holds 200 rows already: more than learning_starts)
-        assert [learner.train(_Steps(), k, 1)["sac/updates"] for k in range(3)] == want, starts
+        outs = [learner.train(_Steps(), k, 1) for k in range(3)]
+        assert [o["sac/updates"] for o in outs] == want, starts
+        assert [o["time/gradient_steps"] > 0 for o in outs] == [n > 0 for n in want]  # 0.0 in an iteration without
 
 
 @pytest.mark.parametrize("lag", [0, 1])
@@ -403,7 +405,10 @@ def test_utd_sets_the_gradient_steps_per_env_step_in_either_order(lag):
     for utd, want in ((0.5, 32), (2, 128), (None, 64)):
         extra = [f"sac.utd={utd}"] if utd is not None else []
         learner = _pendulum_learner(f"sac.max_policy_lag={lag}", "sac.learning_starts=0", *extra)
-        assert learner.train(_Steps(), 0, 1)["sac/updates"] == want
+        out = learner.train(_Steps(), 0, 1)
+        assert out["sac/updates"] == want
+        # the updates' own seconds, within the call's (which takes the trajectories in, too)
+        assert 0 < out["time/gradient_steps"] < out["time/update"]
 
 
 def test_an_ensembles_step_takes_the_target_over_a_fresh_random_pair_and_scores_the_actor_with_the_mean():
