@@ -900,6 +900,10 @@ class SACConfig:
                             "ReLU MLPs, with or without the critics' LayerNorm and the BC term: no autograd graph; "
                             "13-18% less time a step on CPU, equal to autograd's to float rounding) | autograd | "
                             "auto (manual where the networks allow it: a ReLU SquashedGaussian MLP actor)")
+    ahead: bool = opt(True, "at max_policy_lag=1: the driver queues the learner's next iteration while it still runs "
+                            "this one, and the learner hands its weights back with its result, so that it goes on to "
+                            "its next gradient steps at once while the driver logs and the policy workers load the "
+                            "weights (the same numbers); false: one iteration after the other")
     save_buffer: str = opt("latest", "which checkpoints hold the replay buffer: latest (the newest complete one; an "
                                      "older one's is removed once a newer checkpoint is complete) | all | none (a "
                                      "resumed run refills an empty buffer, as SB3 without save_replay_buffer)")

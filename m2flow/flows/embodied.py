@@ -30,7 +30,7 @@ from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
 from m2flow.workers.env import EnvWorker, make_env_group, video_recorder, wait_rollout
 from m2flow.workers.policy import PolicyWorker, make_policy
 from m2flow.workers.sac_learner import REPLAY_FILE, SACLearnerWorker
-from m2flow.workers.sync import finish_sync, start_sync, sync_weights
+from m2flow.workers.sync import finish_sync, load_published, start_sync, sync_weights
 from m2flow.workloads.embodied import maniskill
 
 COMPONENTS = list(C.EmbodiedClusterConfig.COMPONENTS)  # env, rollout, actor
@@ -94,7 +94,11 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
     # co-hosted rank by rank: policy rank r lives in actor rank r's process, and every actor rank holds the weights
     local_sync = actor_cohost and rollout.world_size == actor.world_size
 
-    start, env_steps, recent = 0, 0, deque(maxlen=cfg.run.stop_window)
+    # sac.ahead (at max_policy_lag=1): the learner's next call is queued while it still runs this one, so that it
+    # goes on to its next gradient steps at once; it hands its weights back with its result, and the policy workers
+    # load them from here while it updates (a call to the learner would wait behind the queued one)
+    ahead = cfg.algorithm.name == "sac" and cfg.sac.max_policy_lag > 0 and cfg.sac.ahead and not local_sync
+    start, env_steps, recent, queued_train = 0, 0, deque(maxlen=cfg.run.stop_window), None
     if cfg.run.resume and (found := run.latest_checkpoint()):
         start, ckpt = found
         wait_all([actor.load_checkpoint(str(ckpt)), env.load_state(str(ckpt))])
@@ -114,30 +118,38 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
                     t0 = time.perf_counter()
                     trace = cfg.run.trace and (step < 2 or (cfg.run.trace_every > 0 and step % cfg.run.trace_every == 0))
                     checked = cfg.rollout.checks_sync(step - start + 1)
-                    handles = [
-                        env.call_per_rank("rollout", [(policy_of[r], trajectories, cfg.steps_per_rollout, step,
-                                                       actor.world_size, trace) for r in range(env.world_size)]),
-                        actor.train(trajectories, step, env.world_size),
-                    ]
+                    rollout_call = env.call_per_rank("rollout", [(policy_of[r], trajectories, cfg.steps_per_rollout,
+                                                                  step, actor.world_size, trace)
+                                                                 for r in range(env.world_size)])
+                    train_call = queued_train if queued_train is not None else actor.train(
+                        trajectories, step, env.world_size, *([checked] if ahead else []))
                     # co-hosted: the sync is queued behind the update in their process (no round trip between)
                     queued = start_sync(actor, [rollout], checked, per_rank=True) if local_sync else None
                     # a hung env step stops the run
-                    env_out, actor_out = wait_rollout(handles, env, cfg.env.step_timeout_s, cfg.env.id)
+                    env_out = wait_rollout([rollout_call], env, cfg.env.step_timeout_s, cfg.env.id)[0]
+                    recent.extend(e["return"] for out in env_out for e in out["episodes"])
+                    env_steps += sum(out["env_steps"] for out in env_out)
+                    rollout_metrics = iteration_metrics(env_out, recent)
+                    stop = (cfg.run.stop_return is not None and len(recent) == recent.maxlen
+                            and rollout_metrics["rollout/return_window"] >= cfg.run.stop_return)
+                    every = cfg.run.save_every and (step + 1) % cfg.run.save_every == 0
+                    evaluate = cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0 and cfg.eval.episodes
+                    save = every or evaluate or step + 1 == cfg.run.steps or stop
+                    # sac.ahead: not past a checkpoint's save call (queued behind it, it would save a later state)
+                    queued_train = None if not ahead or save else actor.train(
+                        trajectories, step + 1, env.world_size, cfg.rollout.checks_sync(step + 2 - start))
+                    actor_out = wait_all([train_call])[0]
                     t1 = time.perf_counter()
-                    if queued is None:
+                    if ahead:
+                        load_published([out.pop("weights") for out in actor_out][0], [rollout], checked)
+                    elif queued is None:
                         sync_weights(actor.on([0]), [rollout], checked)
                     sync_seconds = finish_sync(queued, checked) if queued else time.perf_counter() - t1
                     t2 = time.perf_counter()
-                    recent.extend(e["return"] for out in env_out for e in out["episodes"])
-                    env_steps += sum(out["env_steps"] for out in env_out)
-                    last = {**iteration_metrics(env_out, recent), **mean_over_ranks(actor_out), "env_steps": env_steps,
+                    last = {**rollout_metrics, **mean_over_ranks(actor_out), "env_steps": env_steps,
                             "throughput/env_steps_per_s": sum(o["env_steps"] for o in env_out) / (t2 - t0),
                             "time/iteration": t2 - t0, "time/weight_sync": sync_seconds, "sync/checked": int(checked)}
-                    stop = (cfg.run.stop_return is not None and len(recent) == recent.maxlen
-                            and last["rollout/return_window"] >= cfg.run.stop_return)
-                    every = cfg.run.save_every and (step + 1) % cfg.run.save_every == 0
-                    evaluate = cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0 and cfg.eval.episodes
-                    if every or evaluate or step + 1 == cfg.run.steps or stop:
+                    if save:
                         saved = save_checkpoint(run, cfg, step + 1, actor, env, env_steps, recent)
                     if evaluate:  # in this process, from the checkpoint just written
                         scores = evaluate_checkpoint(saved, cfg.eval.episodes)

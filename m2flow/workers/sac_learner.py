@@ -149,9 +149,11 @@ class SACLearnerWorker(PublishesWeights, Worker):
                 "critic_grads": [(grads(hidden), grads([head])[0]) for hidden, head in critics],
                 "bounds": (pol.LOG_STD_MIN, pol.LOG_STD_MAX)}
 
-    def train(self, inp, step: int, producers: int) -> dict:
+    def train(self, inp, step: int, producers: int, publish: bool | None = None) -> dict:
         """One iteration: take the `producers` env workers' trajectories on `inp` (key: this rank) into the buffer
-        and take the iteration's gradient steps, in the order of sac.max_policy_lag."""
+        and take the iteration's gradient steps, in the order of sac.max_policy_lag. `publish` (True: with their
+        digest, False: without): publish the weights then held and return them under "weights", so that the flow
+        needs no call of this process to sync them (one it may have queued behind its next `train` already)."""
         s = self.cfg.sac
         out, start, updating = {}, time.perf_counter(), 0.0
         if s.max_policy_lag:  # update on what the buffer holds while the env workers collect (a whole iteration's)
@@ -160,6 +162,8 @@ class SACLearnerWorker(PublishesWeights, Worker):
         if not s.max_policy_lag:
             out, updating = self._timed_updates(step, self._gradient_steps(added))
         self.version += 1
+        if publish is not None:
+            out["weights"] = self.publish_weights(publish)
         # time/update: the whole call (with taking the trajectories in); time/gradient_steps: the updates alone
         return {**out, "time/update": time.perf_counter() - start, "time/gradient_steps": updating,
                 "sac/buffer_size": len(self.buffer),

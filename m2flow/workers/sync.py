@@ -18,7 +18,12 @@ def sync_weights(actor, receivers, check: bool, local: bool = False, per_rank: b
     model.lora.sync: adapters)."""
     if local:  # one call into that process publishes and loads: no Ray round trip per receiver group
         return _pushed(start_sync(actor, receivers, check, per_rank), check)[0][4]
-    weights = actor.publish_weights(check).wait()[0]
+    return load_published(actor.publish_weights(check).wait()[0], receivers, check)
+
+
+def load_published(weights: WeightsRef, receivers, check: bool) -> int:
+    """The second half of `sync_weights`, for weights the actor published already (e.g. at the end of an update
+    call, which then returns them): every rank of every receiver group loads them; checked as there."""
     _verify(weights.version, weights.digest, [d for h in wait_all([g.load_weights(weights) for g in receivers])
                                               for d in h], check)
     return weights.nbytes

@@ -116,6 +116,26 @@ def test_max_policy_lag_1_updates_before_it_takes_the_iterations_steps(cluster, 
     assert lag0[1]["sac/critic_loss"] != lag1[1]["sac/critic_loss"]
 
 
+def test_sac_ahead_queues_the_learners_next_iteration_and_gives_the_same_run(cluster, tmp_path):
+    """sac.ahead at lag 1 (the default): the learner's next call is queued before this one's result is in, and its
+    weights come back with its result. The same run as one iteration after the other: the same losses, the same
+    weights in the checkpoint written mid-run (no queued call ran past it) and at the end, the syncs checked."""
+    common = ["policy.hidden=[32,32]", "run.steps=6", "run.save_every=3", "sac.learning_starts=63", "eval.episodes=0",
+              "sac.max_policy_lag=1", "cluster.placement=env,rollout: 0; actor: 1", "rollout.check_weight_sync=true"]
+    ahead = train(cfg_for(tmp_path, "ahead", *common), cluster)
+    serial = train(cfg_for(tmp_path, "serial", "sac.ahead=false", *common), cluster)
+    a, b = rows(ahead), rows(serial)
+    assert [r["sac/updates"] for r in a] == [0, 64, 64, 64, 64, 64]
+    for key in ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/q_mean", "env_steps", "rollout/return"):
+        assert [r.get(key) for r in a] == [r.get(key) for r in b], key
+    assert all(r["sync/checked"] == 1 for r in a)
+    for step in (3, 6):
+        for name in ("policy", "sac_critic"):
+            wa, wb = (load_file(str(tmp_path / run / "checkpoints" / f"step_{step}" / f"{name}.safetensors"))
+                      for run in ("ahead", "serial"))
+            assert all(torch.equal(wa[k], wb[k]) for k in wa), (step, name)
+
+
 def test_a_resumed_sac_run_equals_an_uninterrupted_one(cluster, tmp_path):
     """The checkpoint holds the replay buffer, every generator, the optimizers and (Pendulum pickles) the envs
     mid-episode: 3 iterations, a stop, 3 more give the weights and losses of 6 in one go, bit for bit."""
