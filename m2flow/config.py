@@ -903,7 +903,8 @@ class SACConfig:
     ahead: bool = opt(True, "at max_policy_lag=1: the driver queues the learner's next iteration while it still runs "
                             "this one, and the learner hands its weights back with its result, so that it goes on to "
                             "its next gradient steps at once while the driver logs and the policy workers load the "
-                            "weights (the same numbers); false: one iteration after the other")
+                            "weights (the same numbers; not where the learner shares the env workers' process); "
+                            "false: one iteration after the other")
     save_buffer: str = opt("latest", "which checkpoints hold the replay buffer: latest (the newest complete one; an "
                                      "older one's is removed once a newer checkpoint is complete) | all | none (a "
                                      "resumed run refills an empty buffer, as SB3 without save_replay_buffer)")

@@ -96,8 +96,9 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
 
     # sac.ahead (at max_policy_lag=1): the learner's next call is queued while it still runs this one, so that it
     # goes on to its next gradient steps at once; it hands its weights back with its result, and the policy workers
-    # load them from here while it updates (a call to the learner would wait behind the queued one)
-    ahead = cfg.algorithm.name == "sac" and cfg.sac.max_policy_lag > 0 and cfg.sac.ahead and not local_sync
+    # load them from here while it updates (a call to the learner would wait behind the queued one). Not with the
+    # learner in the env workers' process: there the queued call would wait for a rollout queued behind it
+    ahead = cfg.algorithm.name == "sac" and cfg.sac.max_policy_lag > 0 and cfg.sac.ahead and not actor_cohost
     start, env_steps, recent, queued_train = 0, 0, deque(maxlen=cfg.run.stop_window), None
     if cfg.run.resume and (found := run.latest_checkpoint()):
         start, ckpt = found

@@ -119,21 +119,25 @@ def test_max_policy_lag_1_updates_before_it_takes_the_iterations_steps(cluster, 
 def test_sac_ahead_queues_the_learners_next_iteration_and_gives_the_same_run(cluster, tmp_path):
     """sac.ahead at lag 1 (the default): the learner's next call is queued before this one's result is in, and its
     weights come back with its result. The same run as one iteration after the other: the same losses, the same
-    weights in the checkpoint written mid-run (no queued call ran past it) and at the end, the syncs checked."""
+    weights in the checkpoint written mid-run (no queued call ran past it) and at the end, the syncs checked. With the
+    learner in the env workers' process (the lockstep plan) nothing is queued ahead, and the run is the same too."""
     common = ["policy.hidden=[32,32]", "run.steps=6", "run.save_every=3", "sac.learning_starts=63", "eval.episodes=0",
-              "sac.max_policy_lag=1", "cluster.placement=env,rollout: 0; actor: 1", "rollout.check_weight_sync=true"]
-    ahead = train(cfg_for(tmp_path, "ahead", *common), cluster)
-    serial = train(cfg_for(tmp_path, "serial", "sac.ahead=false", *common), cluster)
-    a, b = rows(ahead), rows(serial)
+              "sac.max_policy_lag=1", "rollout.check_weight_sync=true"]
+    piped = "cluster.placement=env,rollout: 0; actor: 1"
+    ahead = train(cfg_for(tmp_path, "ahead", piped, *common), cluster)
+    serial = train(cfg_for(tmp_path, "serial", piped, "sac.ahead=false", *common), cluster)
+    train(cfg_for(tmp_path, "lockstep", "cluster.placement=env,rollout,actor: 0", *common), cluster)
+    a = rows(ahead)
     assert [r["sac/updates"] for r in a] == [0, 64, 64, 64, 64, 64]
-    for key in ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/q_mean", "env_steps", "rollout/return"):
-        assert [r.get(key) for r in a] == [r.get(key) for r in b], key
     assert all(r["sync/checked"] == 1 for r in a)
+    for other in (rows(serial), rows({"run_dir": tmp_path / "lockstep"})):
+        for key in ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/q_mean", "env_steps", "rollout/return"):
+            assert [r.get(key) for r in a] == [r.get(key) for r in other], key
     for step in (3, 6):
         for name in ("policy", "sac_critic"):
-            wa, wb = (load_file(str(tmp_path / run / "checkpoints" / f"step_{step}" / f"{name}.safetensors"))
-                      for run in ("ahead", "serial"))
-            assert all(torch.equal(wa[k], wb[k]) for k in wa), (step, name)
+            wa, *others = (load_file(str(tmp_path / run / "checkpoints" / f"step_{step}" / f"{name}.safetensors"))
+                           for run in ("ahead", "serial", "lockstep"))
+            assert all(torch.equal(wa[k], w[k]) for w in others for k in wa), (step, name)
 
 
 def test_a_resumed_sac_run_equals_an_uninterrupted_one(cluster, tmp_path):
