@@ -142,7 +142,7 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
                     actor_out = wait_all([train_call])[0]
                     t1 = time.perf_counter()
                     if ahead:
-                        load_published([out.pop("weights") for out in actor_out][0], [rollout], checked)
+                        load_published(actor_out[0].pop("weights"), [rollout], checked)  # SAC: one learner rank
                     elif queued is None:
                         sync_weights(actor.on([0]), [rollout], checked)
                     sync_seconds = finish_sync(queued, checked) if queued else time.perf_counter() - t1
