@@ -13,7 +13,7 @@ parameter's `.grad`), shaped as the layers, not accumulated. Pure tensor functio
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -207,3 +207,21 @@ def bc_grad(mean: torch.Tensor, demo_actions: torch.Tensor, coef: float) -> tupl
     d_mean = torch.zeros_like(mean)
     d_mean[:k] = err * (1.0 - t * t) * (2.0 * coef / k)
     return err.pow(2).sum(-1).mean(), d_mean
+
+
+def actor_loss_grads(critics: Sequence[tuple[Sequence[Layer], Layer]], actor: tuple, grads: tuple, obs: torch.Tensor,
+                     pi: torch.Tensor, logp: torch.Tensor, fwd: Squashed, alpha: torch.Tensor,
+                     demo_actions: torch.Tensor, coef: float, reduce: str, log_std_bounds: tuple[float, float],
+                     read: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAC's actor loss, mean(alpha log pi - score) with the critics' score of the sampled actions pi (their min or
+    mean: `reduce`), plus with `coef` the behaviour-cloning term on the first len(demo_actions) rows, and its
+    gradient into the actor's (hidden, mu, log std) `grads` -> (the loss, the BC term). `read` is called with
+    log pi once the critics' weights are no longer read (another thread or process may step them then)."""
+    score, d_action = critics_action_grad(critics, obs, pi, reduce)
+    if read is not None:
+        read(logp)
+    bc, d_mean = torch.zeros(()), None
+    if coef:
+        bc, d_mean = bc_grad(fwd.mean, demo_actions, coef)
+    squashed_grads(*actor, obs, fwd, d_action, float(alpha) / len(obs), log_std_bounds, grads, d_mean)
+    return (alpha * logp - score).mean(), bc

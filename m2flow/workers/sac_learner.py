@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from m2flow.algorithms import actor_loss, critic_loss, polyak_update, soft_td_target, temperature_loss
-from m2flow.algorithms.sac_grad import (bc_grad, critics_action_grad, critics_forward, critics_loss_grads, mlp_layers,
-                                        squashed_grads, squashed_sample)
+from m2flow.algorithms.sac_grad import (actor_loss_grads, critics_forward, critics_loss_grads, mlp_layers,
+                                        squashed_sample)
 from m2flow.engines.optim import FusedAdamStep
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
@@ -343,16 +343,10 @@ class SACLearnerWorker(PublishesWeights, Worker):
         """The actor's loss (actor_loss, and `_actor_objective`'s BC term with sac.bc_coef) and its gradient into
         the actor's `.grad`s -> (the loss, the BC term). `read`: given log pi once the critics' weights are no
         longer read."""
-        m, coef = self._manual, self.cfg.sac.bc_coef
-        score, d_action = critics_action_grad(m["critics"], obs, pi, self.cfg.sac.actor_q)
-        if read is not None:
-            read.set_result(logp)
-        bc, d_mean = torch.zeros(()), None
-        if coef:
-            bc, d_mean = bc_grad(fwd.mean, b["actions"][:self._demo_rows(len(obs))], coef)
-        squashed_grads(*m["actor"], obs, fwd, d_action, float(alpha) / len(obs), m["bounds"], m["actor_grads"],
-                       d_mean)
-        return (alpha * logp - score).mean(), bc
+        m, s = self._manual, self.cfg.sac
+        return actor_loss_grads(m["critics"], m["actor"], m["actor_grads"], obs, pi, logp, fwd, alpha,
+                                b["actions"][:self._demo_rows(len(obs))], s.bc_coef, s.actor_q, m["bounds"],
+                                None if read is None else read.set_result)
 
     def _actor_gradient(self, b: dict, eps: torch.Tensor, alpha: torch.Tensor):
         """The actor's loss and its gradient into the actor's weights only (`inputs=`: the critics' weights get
