@@ -19,7 +19,8 @@ core), `wide` (the learner one process over both devices' cores, 2 threads; env 
 `pipelined` (the preset's: env and policy on device 0, the learner on device 1, `sac.max_policy_lag=1`, collection
 overlapping the updates), `parallel` (wide, with `sac.parallel_update=true`: the critics' and the actor's gradient
 steps at once, one core each), `overlapped` (parallel, with `sac.max_policy_lag=1`: the env and policy collect the
-next steps on device 0 while the learner's two threads update). Every plan keeps the preset's
+next steps on device 0 while the learner updates, the actor's side of its step in a process of its own,
+`sac.actor_process=true`; until 2026-11-30 in a thread). Every plan keeps the preset's
 `cluster.foreground=actor` (the run's other processes at nice 19). SB3 runs in its own process with torch's default
 threads (2 here), as a user runs it. `--set` overrides the preset for both libraries (e.g.
 `sac.learning_starts=1000` for a short run); `--no-sb3` runs the m2flow plans only (SB3's runs of those seeds
@@ -51,7 +52,7 @@ PLANS = {"lockstep": ["cluster.placement=env,rollout,actor: 0", "sac.max_policy_
          "parallel": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=0",
                       "sac.parallel_update=true"],
          "overlapped": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=1",
-                        "sac.parallel_update=true"]}
+                        "sac.parallel_update=true", "sac.actor_process=true"]}
 
 
 def sb3_model(seed: int, common: bool = False):
@@ -179,7 +180,8 @@ CRITICS = {"twin": [], "layernorm": ["sac.critic_layernorm=true"],  # --update-o
 def update_only(threads: int, rounds: int = 5, n: int = 64, critics: tuple[str, ...] = ("twin",)) -> str:
     """Per gradient step on the same kind of data (20k random transitions in each library's buffer): m2flow's
     `SACLearnerWorker._update` (each of `critics`' variants, with sac.grad=auto and =autograd; twin also with
-    sac.parallel_update) against SB3's `SAC.train`, interleaved, `rounds` rounds of `n` steps, medians."""
+    sac.parallel_update, its actor's side in a thread and in a process) against SB3's `SAC.train`, interleaved,
+    `rounds` rounds of `n` steps, medians."""
     import gymnasium as gym
     import numpy as np
     import torch
@@ -203,6 +205,7 @@ def update_only(threads: int, rounds: int = 5, n: int = 64, critics: tuple[str, 
         variants += [(name, CRITICS[c]), (f"{name} autograd", [*CRITICS[c], "sac.grad=autograd"])]
     if "twin" in critics:
         variants += [("m2flow parallel", ["sac.parallel_update=true"]),
+                     ("m2flow parallel process", ["sac.parallel_update=true", "sac.actor_process=true"]),
                      ("m2flow parallel autograd", ["sac.parallel_update=true", "sac.grad=autograd"])]
     for name, extra in variants:
         if "parallel" in name and threads < 2:

@@ -881,6 +881,10 @@ class SACConfig:
                                        "with half the learner's cores each; the actor's loss then reads the critics "
                                        "before this step's update (as the original SAC implementation does) instead "
                                        "of after it (SB3). Pays off when the learner has 2+ cores")
+    actor_process: bool = opt(False, "with parallel_update and grad=manual: the actor's side of the step runs in a "
+                                     "process of its own (spawned at the first update; the actor's and critics' "
+                                     "weights in shared memory) instead of a thread, so that the two sides never "
+                                     "wait on one Python lock; the same numbers")
     demos: str = opt("", "RLPD: `m2flow demos` directories (comma-separated, one per task) whose successful episodes "
                          "fill a second buffer; each minibatch draws demo_fraction of its rows from it")
     demo_fraction: float = opt(0.5, "with sac.demos: the share of every minibatch drawn from the demonstrations")
@@ -1014,6 +1018,13 @@ class EmbodiedConfig:
                                   f"(got {self.policy.kind}, {self.env.chunk}, {self.env.seed_groups})")
             if self.actor.bc_coef > 0:
                 raise ConfigError("actor.bc_coef is PPO's behaviour-cloning term; algorithm.name=sac does not use it")
+            if self.sac.actor_process and (not self.sac.parallel_update or self.sac.grad == "autograd"
+                                           or self.sac_grad_blockers()):
+                raise ConfigError("sac.actor_process runs the actor's side of sac.parallel_update's step under "
+                                  "sac.grad=manual in its own process: it needs sac.parallel_update=true and the "
+                                  f"manual gradients (got parallel_update={self.sac.parallel_update}, "
+                                  f"grad={self.sac.grad}{'; ' if self.sac_grad_blockers() else ''}"
+                                  f"{'; '.join(self.sac_grad_blockers())})")
             if self.sac.grad == "manual" and self.sac_grad_blockers():
                 raise ConfigError(f"sac.grad=manual writes out the gradients of ReLU MLPs only, but "
                                   f"{'; '.join(self.sac_grad_blockers())}: use sac.grad=auto or autograd")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,7 @@ from m2flow.runtime.weights import publish
 from m2flow.workers.embodied_actor import load_policy, start_policy
 from m2flow.workers.guards import nonfinite_update
 from m2flow.workers.policy import make_policy
+from m2flow.workers.sac_actor_process import ActorProcess
 from m2flow.workers.sync import PublishesWeights
 from m2flow.workloads.embodied import Critics, Trajectory
 from m2flow.workloads.embodied.bc import demo_transitions
@@ -128,6 +130,7 @@ class SACLearnerWorker(PublishesWeights, Worker):
             self._threads = max(1, torch.get_num_threads() // 2)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="m2flow-sac-actor")
         self._manual = self._manual_networks()
+        self._actor_proc: ActorProcess | None = None  # sac.actor_process: started at the first update
         self._polyak_pairs = (list(self.target.parameters()), list(self.critic.parameters()))  # updated in place
         self.version, self.updates, self.env_steps = 0, 0, 0
 
@@ -199,7 +202,9 @@ class SACLearnerWorker(PublishesWeights, Worker):
         if self.env_steps <= starts or len(self.buffer) < min(max(starts, 1), self.buffer.capacity) or not n:
             return {"sac/updates": 0}
         with self.device_phase("train", step), _intra_op_threads(self._threads):
-            if self._manual is not None and self._pool is not None:
+            if self.cfg.sac.actor_process:
+                done = self._process_parallel_updates(n)
+            elif self._manual is not None and self._pool is not None:
                 done = self._manual_parallel_updates(n)
             else:
                 done = [x for x in (self._update() for _ in range(n)) if x is not None]
@@ -297,13 +302,8 @@ class SACLearnerWorker(PublishesWeights, Worker):
                     c_loss, q = critics_loss_grads(m["critics"], x, target, m["critic_grads"], runs)
                     finite = self._finite(c_loss)
                     pipe.go[k].set_result(finite)
-                    if finite:
-                        logp = pipe.read[k].result()  # once the other thread is done with the critics' weights
-                        self._manual_temperature_step(logp)
-                        self._critic_step()
-                        self._move_targets()
-                        taken.append((k, c_loss, alpha, logp, q[0].mean()))
-                        alpha = self.log_alpha.detach().exp()
+                    if finite:  # once the other thread is done with the critics' weights
+                        alpha = self._step_critics(k, c_loss, alpha, pipe.read[k].result(), q, taken)
                     if k + 1 < n:
                         pipe.ready[k + 1].set_result(alpha)
         except BaseException as e:
@@ -312,6 +312,60 @@ class SACLearnerWorker(PublishesWeights, Worker):
             raise error if error is not None and error is not e else e
         job.result()
         return [self._stats(c, *pipe.done[k].result(), a, logp, q) for k, c, a, logp, q in taken]
+
+    def _process_parallel_updates(self, n: int) -> list[torch.Tensor]:
+        """`_manual_parallel_updates` with the actor's side in its own process (sac.actor_process: m2flow.workers.
+        sac_actor_process), which this side hands each step's minibatch and noise: drawn here, in the same order."""
+        if self._actor_proc is None:
+            s = self.cfg.sac
+            self._actor_proc = ActorProcess(
+                self._manual, self.actor_opt, batch=s.batch_size, obs_dim=self.policy.obs_dim,
+                act_dim=math.prod(self.policy.act_shape), logp_eps=self.policy.logp_eps, actor_q=s.actor_q,
+                bc_coef=s.bc_coef, demo_rows=self._demo_rows(s.batch_size), threads=self._threads,
+                name=f"m2flow-sac-actor-{os.getpid()}")
+        m, p = self._manual, self._actor_proc
+        alpha = self.log_alpha.detach().exp()
+        taken = []  # (step, its critics' loss, alpha, log pi, first critic's mean Q) of the steps not dropped
+        try:
+            p.begin(n, alpha)
+            with torch.no_grad():
+                b, eps = self._draw()
+                obs = b["obs"].float().flatten(1)
+                p.batch(0, obs, b["next_obs"].float().flatten(1), b["actions"], eps)
+                for k in range(n):
+                    x = torch.cat([obs, b["actions"]], 1)
+                    runs = critics_forward(m["critics"], x)  # while the next actions are sampled
+                    target = self._td_target(b, eps[1], alpha, p.nxt(k))
+                    c_loss, q = critics_loss_grads(m["critics"], x, target, m["critic_grads"], runs)
+                    finite = self._finite(c_loss)
+                    p.go(k, finite)
+                    if k + 1 < n:  # the next step's draws, after this step's (the TD target's sac.min_qs)
+                        b, eps = self._draw()
+                        obs = b["obs"].float().flatten(1)
+                        p.batch(k + 1, obs, b["next_obs"].float().flatten(1), b["actions"], eps)
+                    if finite:  # once the other process is done with the critics' weights
+                        alpha = self._step_critics(k, c_loss, alpha, p.read(k), q, taken)
+                    if k + 1 < n:
+                        p.ready(k + 1, alpha)
+            actor = p.end()
+        except BaseException:
+            self._close_actor_process()  # never left mid-call: the next update starts a new one
+            raise
+        return [self._stats(c, *actor[k], a, logp, q) for k, c, a, logp, q in taken]
+
+    def _step_critics(self, k: int, c_loss, alpha, logp, q, taken: list) -> torch.Tensor:
+        """The critics' side's end of pipelined step k (its loss finite, the actor's side done reading the critics):
+        the temperature, critics and targets step, and the step goes into `taken` -> the next step's temperature."""
+        self._manual_temperature_step(logp)
+        self._critic_step()
+        self._move_targets()
+        taken.append((k, c_loss, alpha, logp, q[0].mean()))
+        return self.log_alpha.detach().exp()
+
+    def _close_actor_process(self) -> None:
+        if self._actor_proc is not None:
+            self._actor_proc.close()
+            self._actor_proc = None
 
     def _manual_actor_steps(self, pipe: "_Pipe") -> None:
         """sac.parallel_update's pool thread under sac.grad=manual, for `_manual_parallel_updates`: per step, the
@@ -461,6 +515,7 @@ class SACLearnerWorker(PublishesWeights, Worker):
         from safetensors.torch import load_file
 
         d = Path(directory)
+        self._close_actor_process()  # the optimizers' state is replaced below: shared anew at the next update
         load_policy(self.policy, d)
         nets = load_file(str(d / "sac_critic.safetensors"))
         self.critic.load_state_dict({k[7:]: v for k, v in nets.items() if k.startswith("critic.")})

@@ -62,16 +62,21 @@ def test_lockstep_and_pipelined_plans_give_identical_sac_runs_at_lag_0(cluster, 
 
 def test_parallel_update_gives_the_same_run_in_the_lockstep_and_the_pipelined_plan(cluster, tmp_path):
     """sac.parallel_update reaches the learner (its actor reads the critics before each step's update, so its losses
-    part from the sequential step's after the first update) and stays deterministic across plans."""
+    part from the sequential step's after the first update) and stays deterministic across plans; with
+    sac.actor_process the actor's side runs in a process of the learner's and the run is the same."""
     common = ["policy.hidden=[32,32]", "run.steps=3", "sac.learning_starts=63", "eval.episodes=0"]
     runs = [train(cfg_for(tmp_path, name, *placement, *common, *extra), cluster) for name, placement, extra in (
         ("par_lockstep", ["cluster.placement=env,rollout,actor: 0"], ["sac.parallel_update=true"]),
         ("par_piped", ["cluster.placement=env,rollout: 0; actor: 1", "env.pipeline_stages=2"],
          ["sac.parallel_update=true"]),
-        ("seq_lockstep", ["cluster.placement=env,rollout,actor: 0"], []))]
-    par, piped, seq = (rows(r) for r in runs)
+        ("seq_lockstep", ["cluster.placement=env,rollout,actor: 0"], []),
+        ("proc_piped", ["cluster.placement=env,rollout: 0; actor: 1"],
+         ["sac.parallel_update=true", "sac.actor_process=true"]))]
+    par, piped, seq, proc = (rows(r) for r in runs)
     for key in ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/q_mean"):
-        assert [r.get(key) for r in par] == [r.get(key) for r in piped], key
+        assert [r.get(key) for r in par] == [r.get(key) for r in piped] == [r.get(key) for r in proc], key
+    wa, wb = (load_file(f"{runs[i]['checkpoint']}/policy.safetensors") for i in (0, 3))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)  # sac.actor_process: the same actor, stepped in its process
     assert all(r["sac/critic_loss"] == r["sac/critic_loss"] for r in par)  # trains: finite
     assert [r["sac/actor_loss"] for r in par] != [r["sac/actor_loss"] for r in seq]
 
@@ -219,15 +224,18 @@ def test_sac_grad_manual_trains_as_autograd_does_and_refuses_networks_it_cannot_
 
 
 def _nice_by_pid() -> dict[int, tuple[str, list[int]]]:
-    """pid -> (title, nice of each thread) of every Ray worker process on this machine: titled `m2flow:...` while it
-    waits for a call, `ray::...` while it runs one."""
+    """pid -> (title, nice of each thread) of every Ray worker process on this machine (titled `m2flow:...` while it
+    waits for a call, `ray::...` while it runs one) and of every sac.actor_process process (`actor_process of PPID`)."""
     import os
 
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             title = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode(errors="replace").strip()
-            if title.startswith(("m2flow:", "ray::")):
+            if "sac_actor_process" in open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"):
+                stat = open(f"/proc/{pid}/stat").read()  # sac.actor_process's process, by its parent
+                title = f"actor_process of {stat[stat.rindex(')') + 2:].split()[1]}"
+            if title.startswith(("m2flow:", "ray::", "actor_process")):
                 tids = os.listdir(f"/proc/{pid}/task")
                 out[int(pid)] = (title, [os.getpriority(os.PRIO_PROCESS, int(t)) for t in tids])
         except OSError:  # gone meanwhile
@@ -236,8 +244,9 @@ def _nice_by_pid() -> dict[int, tuple[str, list[int]]]:
 
 
 def test_cluster_foreground_keeps_the_learner_at_its_priority_and_lowers_the_rest_for_the_run(cluster, tmp_path):
-    """cluster.foreground=actor: while the run goes, the learner's threads stay at nice 0 and the env worker's and the
-    driver's are at 19; afterwards every one is back at 0 (the env worker's process is kept for the next run)."""
+    """cluster.foreground=actor: while the run goes, the learner's threads stay at nice 0, and so do those of its own
+    process (sac.actor_process), while the env worker's and the driver's are at 19; afterwards every one is back at 0
+    (the env worker's process is kept for the next run)."""
     import os
     import threading
 
@@ -258,6 +267,7 @@ def test_cluster_foreground_keeps_the_learner_at_its_priority_and_lowers_the_res
     try:
         result = train(cfg_for(tmp_path, "fg", "cluster.placement=env,rollout: 0; actor: 1", "cluster.foreground=actor",
                                "sac.max_policy_lag=1", "policy.hidden=[32,32]", "run.steps=192",
+                               "sac.parallel_update=true", "sac.actor_process=true",
                                "sac.learning_starts=63", "eval.episodes=0"), cluster)
     finally:
         stop.set()
@@ -269,9 +279,12 @@ def test_cluster_foreground_keeps_the_learner_at_its_priority_and_lowers_the_res
                             for name in ("m2flow:actor:0", "m2flow:env:0+rollout:0"))
     during = [procs for driver, procs in seen if driver == 19 and learner in procs and env_pid in procs]
     assert len(during) >= 3, f"{len(seen)} samples, {len(during)} with the driver at nice 19"
-    for procs in during:
+    helpers = [[pid for pid, (title, _) in procs.items() if title == f"actor_process of {learner}"] for procs in during]
+    assert sum(map(len, helpers)) >= 3, helpers  # the learner's own process, there from its first update
+    for procs, helper in zip(during, helpers):
         assert set(procs[learner][1]) == {0}, procs[learner]
         assert set(procs[env_pid][1]) == {19}, procs[env_pid]
+        assert all(set(procs[pid][1]) == {0} for pid in helper), [procs[pid] for pid in helper]
     assert os.getpriority(os.PRIO_PROCESS, os.getpid()) == 0  # the driver's main thread
     after = [os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{env_pid}/task")]
     assert set(after) == {0}, after  # kept idle for reuse, at its old priority

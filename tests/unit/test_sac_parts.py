@@ -376,6 +376,81 @@ def test_manual_gradients_train_rlpds_critics_and_the_bc_term_as_autograd_does(c
     assert manual.log_alpha.item() == pytest.approx(auto.log_alpha.item(), rel=1e-5)
 
 
+def _same_learners(a, b) -> None:
+    """Every weight, Adam state, the temperature and the generators of two learners equal, bit for bit."""
+    for net in ("policy", "critic", "target"):
+        x, y = _weights(getattr(a, net)), _weights(getattr(b, net))
+        assert all(torch.equal(x[k], y[k]) for k in x), net
+    for opt in ("actor_opt", "critic_opt"):
+        x, y = (getattr(learner, opt).state_dict()["state"] for learner in (a, b))
+        assert all(torch.equal(x[i][k], y[i][k]) for i in x for k in x[i]), opt
+    assert a.log_alpha.item() == b.log_alpha.item()
+    assert torch.equal(a.gen.get_state(), b.gen.get_state())
+    assert torch.equal(a.buffer.gen.get_state(), b.buffer.gen.get_state())
+
+
+@pytest.mark.parametrize("case", ["twin", "rlpd_critics", "bc"])
+def test_the_actor_process_takes_the_threaded_steps_bit_for_bit(case, tmp_path):
+    """sac.actor_process: the actor's side of the pipelined step in its own process gives the threaded step's
+    numbers exactly (the same ops in the same order, the minibatches drawn in the learner in the same order), over
+    two calls, and again after the learner loads a checkpoint (which replaces the optimizers' state: the process is
+    started anew on it)."""
+    extra = {"twin": [], "rlpd_critics": ["sac.critic_layernorm=true", "sac.n_critics=4", "sac.min_qs=2",
+                                          "sac.actor_q=mean"],
+             "bc": ["sac.bc_coef=2.0", "sac.critic_layernorm=true"]}[case] + ["sac.parallel_update=true"]
+    make = _bc_learner if case == "bc" else _pendulum_learner
+    thread, proc = make(*extra), make(*extra, "sac.actor_process=true")
+    try:
+        for _ in range(2):
+            assert proc._updates(0, 7) == thread._updates(0, 7)
+        _same_learners(thread, proc)
+        child = proc._actor_proc.proc
+        assert child.poll() is None
+        for learner, name in ((thread, "t"), (proc, "p")):
+            (tmp_path / name).mkdir()
+            learner.save_checkpoint(str(tmp_path / name))
+            learner.load_checkpoint(str(tmp_path / name))
+        assert proc._actor_proc is None and child.wait(10) is not None  # ended with the state it shared
+        assert proc._updates(0, 5) == thread._updates(0, 5)
+        _same_learners(thread, proc)
+    finally:
+        proc._close_actor_process()
+
+
+def test_an_error_in_the_actor_process_surfaces_from_the_update_with_its_traceback(monkeypatch, tmp_path):
+    """The actor's process failing mid-call (its forward raising, through a sitecustomize on the path it is given),
+    or killed between calls: the learner's update raises with the process's traceback or its exit, never hangs, and
+    the next update starts a new process and trains."""
+    learner = _pendulum_learner("sac.parallel_update=true", "sac.actor_process=true")
+    (tmp_path / "sitecustomize.py").write_text(
+        "import m2flow.algorithms.sac_grad as g\n"
+        "def broken(*args):\n    raise RuntimeError('the actor forward broke')\n"
+        "g.squashed_sample = broken\n")
+    try:
+        with monkeypatch.context() as m:
+            m.syspath_prepend(str(tmp_path))
+            with pytest.raises(RuntimeError, match=r"(?s)actor's process.*Traceback.*the actor forward broke"):
+                learner._updates(0, 3)
+        assert learner._actor_proc is None
+        assert learner._updates(0, 3)["sac/updates"] == 3
+        learner._actor_proc.proc.kill()
+        learner._actor_proc.proc.wait(10)
+        with pytest.raises(RuntimeError, match=r"actor's process .* ended during the update:\nexit code -9"):
+            learner._updates(0, 3)
+        assert learner._updates(0, 3)["sac/updates"] == 3
+    finally:
+        learner._close_actor_process()
+
+
+def test_the_actor_process_needs_the_parallel_manual_step():
+    with pytest.raises(C.ConfigError, match=r"sac.actor_process .* needs sac.parallel_update=true .* "
+                                            r"\(got parallel_update=False, grad=auto\)"):
+        C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.actor_process=true"])
+    with pytest.raises(C.ConfigError, match=r"got parallel_update=True, grad=auto; policy.activation is 'tanh'"):
+        C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.actor_process=true", "sac.parallel_update=true",
+                                                  "policy.activation=tanh"])
+
+
 class _Steps:
     """An input channel holding one env worker's iteration of 8 envs x 8 steps (64 transitions) of Pendulum."""
 
