@@ -4,11 +4,11 @@ On a node with fewer cores than busy threads, Linux shares the cores fairly amon
 Ray's daemons, the channel and lock actors and the other components' workers all take slices from the one whose speed
 sets the run's (e.g. SAC's learner). Under `foreground(...)`, every other process of the run on the driver's node runs
 at nice 19 (`BACKGROUND_NICE`): the other workers, the driver, and, when this run's Cluster started Ray, Ray's processes
-(the driver's descendants), but not the foreground's own child processes (sac.actor_process's). They still run, on
-what the foreground leaves. Nothing is raised above its priority, so it needs no privilege. Linux keeps a nice value
-per thread, so every thread is set, and again every few seconds for the threads started since. On leaving, each changed process gets its old value back; where the OS refuses (an unprivileged
-user cannot lower a nice value), a worker process is not kept for reuse, and the driver stays at its low priority.
-Processes on other nodes are left as they are.
+(the driver's descendants), but not the foreground's own child processes (sac.actor_process's). They still run, on what
+the foreground leaves. Nothing is raised above its priority, so it needs no privilege. Linux keeps a nice value per
+thread, so every thread is set, and again every few seconds for the threads started since. On leaving, each changed
+process gets its old value back; where the OS refuses (an unprivileged user cannot lower a nice value), a worker process
+is not kept for reuse, and the driver stays at its low priority. Processes on other nodes are left as they are.
 
 It decides nothing about placement and launches nothing (`group.py` does).
 """

@@ -9,18 +9,18 @@ The learner (`SACLearnerWorker._process_parallel_updates`) keeps everything that
 every generator (so it draws each step's minibatch and noise, in the one-thread step's order), the critics, targets,
 temperature and their optimizers. This process holds no state of its own: the actor's weights and Adam state and the
 critics' weights are the learner's tensors, moved to shared memory, and per step it gets the minibatch and the
-temperature through a ring of shared slots. The hand-offs are those of the threaded step, as counting semaphores:
+temperature through a ring of shared slots. The hand-offs are those of the threaded step:
 
     learner -> actor process: batch (the minibatch's flat observations, next observations, actions, noise),
                               ready (the critics stepped to this step's, and its temperature), go (its loss is finite)
     actor process -> learner: nxt (the next actions and their log pi), read (log pi, once the critics are read)
 
 A ring of two slots suffices: a slot is written again two steps later, after hand-offs that follow the reader's last
-use of it. The process starts on the learner's first update (a fresh interpreter, `python -c`, ~2 s; not multiprocessing's
-spawn, which would run the parent's main script again) and ends with it, or when its parent is gone. The shared
-tensors reach it as multiprocessing passes them (file descriptors, through its resource sharer); the hand-offs are
-pipes, one byte a release. An error in it surfaces from the learner's update with its traceback; an error in the
-learner ends it (the next update starts a new one).
+use of it. The process starts at the learner's first update (a fresh interpreter, `python -c`, ~2 s; not
+multiprocessing's spawn, which would run the parent's main script again) and ends with the learner, or when its
+parent is gone. The shared tensors reach it as multiprocessing passes them (file descriptors, through its resource
+sharer); each hand-off is a pipe, one byte a release, whose descriptors the process inherits. An error in it surfaces
+from the learner's update with its traceback; an error in the learner ends it (the next update starts a new one).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ HANDOFFS = ("batch", "nxt", "read", "ready", "go")
 
 
 class Signal:
-    """A counting semaphore between two processes: a pipe, one byte a release. Picklable as its two descriptors,
-    which the child process inherits."""
+    """A counting semaphore between two processes: a pipe, one byte a release; the child process inherits its two
+    descriptors (`fds`)."""
 
     def __init__(self, fds: tuple[int, int] | None = None):
         self.r, self.w = fds if fds is not None else os.pipe()
@@ -134,7 +134,10 @@ class ActorProcess:
         try:
             self.cmd.send(n)
         except OSError:  # the process is gone (a broken pipe): say so, as a wait would
-            self.proc.wait(POLL_S)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
             self._check()
             raise
         self.ready(0, alpha)
