@@ -240,6 +240,8 @@ def child(parent: int, cmd_fd: int, res_fd: int, *sem_fds: int) -> None:
             with torch.no_grad():
                 out = _steps(n, spec, actor_grads, slots, sems, wait, step)
             res.send(("ok", out))
+        except SystemExit:  # its parent is gone (`wait`): nothing to hand the error to
+            return
         except BaseException:  # noqa: BLE001 - handed to the learner, which raises it
             res.send(("error", traceback.format_exc()))
             raise
