@@ -4,7 +4,7 @@ On a node with fewer cores than busy threads, Linux shares the cores fairly amon
 Ray's daemons, the channel and lock actors and the other components' workers all take slices from the one whose speed
 sets the run's (e.g. SAC's learner). Under `foreground(...)`, every other process of the run on the driver's node runs
 at nice 19 (`BACKGROUND_NICE`): the other workers, the driver, and, when this run's Cluster started Ray, Ray's processes
-(the driver's descendants), but not the foreground's own child processes (sac.actor_process's). They still run, on what
+(the driver's descendants), but not the foreground's own child processes (a worker's helpers). They still run, on what
 the foreground leaves. Nothing is raised above its priority, so it needs no privilege. Linux keeps a nice value per
 thread, so every thread is set, and again every few seconds for the threads started since. On leaving, each changed
 process gets its old value back; where the OS refuses (an unprivileged user cannot lower a nice value), a worker process
@@ -115,7 +115,7 @@ def foreground(cluster: Cluster, groups: Sequence[Group], components: Sequence[s
 
     def lower() -> None:
         pids = {driver} | set(ranks) | (_descendants(driver) if cluster.started_ray else set())
-        keep = front.union(*(_descendants(pid) for pid in front))  # with a worker's own helpers (sac.actor_process)
+        keep = front.union(*(_descendants(pid) for pid in front))  # with the foreground workers' own child processes
         for pid in sorted(pids - keep, key=lambda p: p == driver):  # the driver last (so it is lowered once all are)
             nice = process_nice(pid) if pid not in old else old[pid]
             if nice is None or nice >= BACKGROUND_NICE:
