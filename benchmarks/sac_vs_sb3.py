@@ -16,11 +16,12 @@ with the preset's `eval.seed` + k; SB3's trained model is saved beside its JSON)
 
 Plans: `lockstep` (env, policy and learner in one process on device 0, `sac.max_policy_lag=0`: SB3's order, one
 core), `wide` (the learner one process over both devices' cores, 2 threads; env and policy on device 0; lag 0),
-`pipelined` (the preset's: env and policy on device 0, the learner on device 1, `sac.max_policy_lag=1`, collection
+`pipelined` (env and policy on device 0, the learner on device 1, `sac.max_policy_lag=1`, collection
 overlapping the updates), `parallel` (wide, with `sac.parallel_update=true`: the critics' and the actor's gradient
 steps at once, one core each), `overlapped` (parallel, with `sac.max_policy_lag=1`: the env and policy collect the
 next steps on device 0 while the learner updates, the actor's side of its step in a process of its own,
-`sac.actor_process=true`; until 2026-11-30 in a thread). Every plan keeps the preset's
+`sac.actor_process=true`; until 2026-11-30 in a thread; the preset's plan since then). The plans but `parallel` and
+`overlapped` take SB3's order within a gradient step (`sac.parallel_update=false`). Every plan keeps the preset's
 `cluster.foreground=actor` (the run's other processes at nice 19). SB3 runs in its own process with torch's default
 threads (2 here), as a user runs it. `--set` overrides the preset for both libraries (e.g.
 `sac.learning_starts=1000` for a short run); `--no-sb3` runs the m2flow plans only (SB3's runs of those seeds
@@ -46,11 +47,12 @@ from pathlib import Path
 START = time.perf_counter()  # a runner's wall time counts from here: its imports come after (inside the functions)
 PRESET = "sac_halfcheetah"
 SETTINGS: list[str] = []  # --set: overrides of the preset, for both libraries
-PLANS = {"lockstep": ["cluster.placement=env,rollout,actor: 0", "sac.max_policy_lag=0"],
-         "wide": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=0"],
-         "pipelined": ["cluster.placement=env,rollout: 0; actor: 1", "sac.max_policy_lag=1"],
+SB3_ORDER = ["sac.parallel_update=false", "sac.actor_process=false"]  # the critics step before the actor reads them
+PLANS = {"lockstep": ["cluster.placement=env,rollout,actor: 0", "sac.max_policy_lag=0", *SB3_ORDER],
+         "wide": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=0", *SB3_ORDER],
+         "pipelined": ["cluster.placement=env,rollout: 0; actor: 1", "sac.max_policy_lag=1", *SB3_ORDER],
          "parallel": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=0",
-                      "sac.parallel_update=true"],
+                      "sac.parallel_update=true", "sac.actor_process=false"],
          "overlapped": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=1",
                         "sac.parallel_update=true", "sac.actor_process=true"]}
 
@@ -202,11 +204,13 @@ def update_only(threads: int, rounds: int = 5, n: int = 64, critics: tuple[str, 
     variants = []
     for c in critics:  # sac.grad=auto is manual for these networks; autograd beside each
         name = f"m2flow {c}" if c != "twin" else "m2flow"
-        variants += [(name, CRITICS[c]), (f"{name} autograd", [*CRITICS[c], "sac.grad=autograd"])]
+        variants += [(name, [*SB3_ORDER, *CRITICS[c]]),
+                     (f"{name} autograd", [*SB3_ORDER, *CRITICS[c], "sac.grad=autograd"])]
     if "twin" in critics:
-        variants += [("m2flow parallel", ["sac.parallel_update=true"]),
+        variants += [("m2flow parallel", ["sac.parallel_update=true", "sac.actor_process=false"]),
                      ("m2flow parallel process", ["sac.parallel_update=true", "sac.actor_process=true"]),
-                     ("m2flow parallel autograd", ["sac.parallel_update=true", "sac.grad=autograd"])]
+                     ("m2flow parallel autograd", ["sac.parallel_update=true", "sac.actor_process=false",
+                                                   "sac.grad=autograd"])]
     for name, extra in variants:
         if "parallel" in name and threads < 2:
             continue  # two threads of one core each: nothing to run them on
@@ -330,7 +334,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100_000, help="env steps per run")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--plans", default="lockstep,wide,pipelined", help=f"m2flow plans: {', '.join(PLANS)}")
+    p.add_argument("--plans", default="lockstep,overlapped", help=f"m2flow plans: {', '.join(PLANS)}")
     p.add_argument("--no-sb3", action="store_true", help="run the m2flow plans only, not SB3 before them")
     p.add_argument("--out", default="runs/bench/sac_vs_sb3")
     p.add_argument("--set", default="", help="overrides of the preset for both libraries, space-separated")

@@ -36,7 +36,7 @@ def m2flow_start(cluster, tmp_path_factory):
     cfg = C.load(C.EmbodiedConfig, bench.PRESET, [*bench.SETTINGS, f"run.dir={tmp_path_factory.mktemp('m2')}",
                                                   "run.name=start", f"run.seed={SEED}", f"run.steps={STEPS}",
                                                   "run.progress=false", "run.trace=false", "eval.episodes=0",
-                                                  "cluster.placement=env,rollout,actor: 0", "sac.max_policy_lag=0"])
+                                                  *bench.PLANS["lockstep"]])
     result = train(cfg, cluster)
     ckpt = Path(result["checkpoint"])
     replay = {k[len("data."):]: v.numpy() for k, v in load_file(str(ckpt / "replay.safetensors")).items()

@@ -20,8 +20,9 @@ def _pair(*overrides):
     """An m2flow SAC learner and an SB3 SAC with the same settings on HalfCheetah-v5 (6 action dims), small networks,
     the learner holding SB3's initial weights, and a buffer of random transitions."""
     cfg = C.load(C.EmbodiedConfig, "sac_halfcheetah", ["policy.hidden=[32,32]", "sac.buffer_size=1000",
-                                                        "sac.learning_starts=100",
-                                                        f"sac.batch_size={BATCH}", *overrides])
+                                                        "sac.learning_starts=100", f"sac.batch_size={BATCH}",
+                                                        "sac.parallel_update=false", "sac.actor_process=false",
+                                                        *overrides])  # SB3's order unless overridden
     env = gym.make("HalfCheetah-v5")
     learner = SACLearnerWorker(cfg, env.observation_space, env.action_space)
     s = cfg.sac
