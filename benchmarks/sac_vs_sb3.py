@@ -11,7 +11,7 @@ with the preset's `eval.seed` + k; SB3's trained model is saved beside its JSON)
     python benchmarks/sac_vs_sb3.py --update-only                                  # per gradient step, 1 and 2 threads
     python benchmarks/sac_vs_sb3.py --update-only --critics twin,layernorm,rlpd    # the critics' variants, too
     python benchmarks/sac_vs_sb3.py --steps 100000 --seeds 1,2 --plans lockstep --no-sb3   # more seeds of one plan
-    python benchmarks/sac_vs_sb3.py --summarize                                    # medians, then per seed
+    python benchmarks/sac_vs_sb3.py --summarize    # medians, then per seed, and the return gaps' 90% intervals
     python benchmarks/sac_vs_sb3.py --seeds 0,1,2 --plans overlapped --common-start --out runs/bench/common
 
 Plans: `lockstep` (env, policy and learner in one process on device 0, `sac.max_policy_lag=0`: SB3's order, one
@@ -327,7 +327,24 @@ def by_seed(results: list[dict]) -> str:
         lines.append(f"{n}: return at least SB3's on {ahead} of the {len(paired)} seeds both ran; over them, median "
                      f"{statistics.median(mine):.0f} against {statistics.median(sb3):.0f}, mean "
                      f"{statistics.mean(mine):.0f} against {statistics.mean(sb3):.0f}")
+        if len(paired) > 2:
+            lines.append(f"{n} - SB3, 90% bootstrap intervals over the seeds: "
+                         + "; ".join("the {} {:+.0f} [{:+.0f}, {:+.0f}]".format(name, *gap(mine, sb3, stat))
+                                     for name, stat in [("median", statistics.median), ("mean", statistics.mean)]))
     return "\n".join(lines)
+
+
+def gap(mine: list[float], theirs: list[float], stat, draws: int = 10_000, level: float = 0.9) -> tuple:
+    """stat(mine) - stat(theirs), and its `level` percentile-bootstrap interval: each side's seeds resampled on their
+    own, with replacement (a seed's runs in the two libraries start from different draws, so the seeds do not pair)
+    -> (gap, low, high)."""
+    import random
+
+    rng = random.Random(0)
+    gaps = sorted(stat(rng.choices(mine, k=len(mine))) - stat(rng.choices(theirs, k=len(theirs)))
+                  for _ in range(draws))
+    tail = int(draws * (1 - level) / 2)
+    return stat(mine) - stat(theirs), gaps[tail], gaps[draws - 1 - tail]
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ remaining random draws too, SB3's run is m2flow's lockstep run, to float roundin
 
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -212,3 +213,21 @@ def test_the_summary_sets_wall_times_side_by_side_only_for_runs_that_had_the_mac
     assert "return at least SB3's on 1 of the 2 seeds" in bench.by_seed(runs)
     m2flow_row = next(line for line in bench.table(runs).splitlines() if line.startswith("| m2flow"))
     assert m2flow_row.split(" | ")[4] == "0.55"  # wall / SB3's: seed 1's alone
+
+
+def test_the_summary_gives_the_return_gaps_with_bootstrap_intervals_that_hold_zero_only_when_the_seeds_overlap():
+    """The gap in median and mean return between a plan and SB3 over 3+ seeds, each side's seeds resampled on their
+    own: seeds that overlap give an interval around 0; seeds that lie apart give one that excludes it."""
+    bench = _benchmark()
+    mixed, sb3 = [5161.0, 5423.0, 5245.0, 5149.0], [5812.0, 4904.0, 5527.0, 4989.0]
+    point, low, high = bench.gap(mixed, sb3, statistics.mean)
+    assert point == statistics.mean(mixed) - statistics.mean(sb3) and low < 0 < high
+    assert bench.gap(sb3, sb3, statistics.median)[0] == 0
+    point, low, high = bench.gap([6000.0, 6100.0, 6200.0], [5000.0, 5100.0, 5200.0], statistics.median)
+    assert (point, low, high) == (1000.0, 800.0, 1200.0)  # every resample's medians lie 800 to 1200 apart
+    runs = [{"runner": who, "seed": seed, "env_steps": 100, "wall_s": 1000.0, "env_steps_per_s": 1.0,
+             "return_mean": value} for who, values in [("sb3", sb3), ("m2flow overlapped", mixed)]
+            for seed, value in enumerate(values)]
+    line = bench.by_seed(runs).splitlines()[-1]
+    assert line.startswith("m2flow overlapped - SB3, 90% bootstrap intervals over the seeds: the median -55 [")
+    assert "; the mean -64 [" in line
