@@ -41,7 +41,7 @@ PLOTS = {
     "sac": ["sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/entropy"],
     "kl_clip": ["actor/approx_kl", "actor/clipfrac", "actor/explained_var"],
     "throughput": ["throughput/env_steps_per_s", "throughput/rollout_env_steps_per_s"],
-    "seconds": ["time/iteration", "time/rollout", "time/update", "time/weight_sync"],
+    "seconds": ["time/iteration", "time/rollout", "time/update", "time/gradient_steps", "time/weight_sync"],
 }
 
 
