@@ -882,7 +882,7 @@ class SACConfig:
                                        "before this step's update (as the original SAC implementation does) instead "
                                        "of after it (SB3). Pays off when the learner has 2+ cores")
     actor_process: bool = opt(False, "with parallel_update and grad=manual: the actor's side of the step runs in a "
-                                     "process of its own (spawned at the first update; the actor's and critics' "
+                                     "process of its own (spawned at the first iteration; the actor's and critics' "
                                      "weights in shared memory) instead of a thread, so that the two sides never "
                                      "wait on one Python lock; the same numbers")
     demos: str = opt("", "RLPD: `m2flow demos` directories (comma-separated, one per task) whose successful episodes "

@@ -130,7 +130,7 @@ class SACLearnerWorker(PublishesWeights, Worker):
             self._threads = max(1, torch.get_num_threads() // 2)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="m2flow-sac-actor")
         self._manual = self._manual_networks()
-        self._actor_proc: ActorProcess | None = None  # sac.actor_process: started at the first update
+        self._actor_proc: ActorProcess | None = None  # sac.actor_process: started at the first iteration
         self._polyak_pairs = (list(self.target.parameters()), list(self.critic.parameters()))  # updated in place
         self.version, self.updates, self.env_steps = 0, 0, 0
 
@@ -200,6 +200,8 @@ class SACLearnerWorker(PublishesWeights, Worker):
         fewer after resuming from a checkpoint without it: sac.save_buffer)."""
         starts = self.cfg.sac.learning_starts
         if self.env_steps <= starts or len(self.buffer) < min(max(starts, 1), self.buffer.capacity) or not n:
+            if self.cfg.sac.actor_process:  # its start-up (a Python with torch) overlaps the warm-up's collection
+                self._actor_process()
             return {"sac/updates": 0}
         with self.device_phase("train", step), _intra_op_threads(self._threads):
             if self.cfg.sac.actor_process:
@@ -316,14 +318,7 @@ class SACLearnerWorker(PublishesWeights, Worker):
     def _process_parallel_updates(self, n: int) -> list[torch.Tensor]:
         """`_manual_parallel_updates` with the actor's side in its own process (sac.actor_process: m2flow.workers.
         sac_actor_process), which this side hands each step's minibatch and noise: drawn here, in the same order."""
-        if self._actor_proc is None:
-            s = self.cfg.sac
-            self._actor_proc = ActorProcess(
-                self._manual, self.actor_opt, batch=s.batch_size, obs_dim=self.policy.obs_dim,
-                act_dim=math.prod(self.policy.act_shape), logp_eps=self.policy.logp_eps, actor_q=s.actor_q,
-                bc_coef=s.bc_coef, demo_rows=self._demo_rows(s.batch_size), threads=self._threads,
-                name=f"m2flow-sac-actor-{os.getpid()}")
-        m, p = self._manual, self._actor_proc
+        m, p = self._manual, self._actor_process()
         alpha = self.log_alpha.detach().exp()
         taken = []  # (step, its critics' loss, alpha, log pi, first critic's mean Q) of the steps not dropped
         try:
@@ -361,6 +356,18 @@ class SACLearnerWorker(PublishesWeights, Worker):
         self._move_targets()
         taken.append((k, c_loss, alpha, logp, q[0].mean()))
         return self.log_alpha.detach().exp()
+
+    def _actor_process(self) -> ActorProcess:
+        """The actor's process (sac.actor_process), started on the learner's weights and Adam state when there is
+        none: at the first iteration, or the first after a checkpoint was loaded or the process failed."""
+        if self._actor_proc is None:
+            s = self.cfg.sac
+            self._actor_proc = ActorProcess(
+                self._manual, self.actor_opt, batch=s.batch_size, obs_dim=self.policy.obs_dim,
+                act_dim=math.prod(self.policy.act_shape), logp_eps=self.policy.logp_eps, actor_q=s.actor_q,
+                bc_coef=s.bc_coef, demo_rows=self._demo_rows(s.batch_size), threads=self._threads,
+                name=f"m2flow-sac-actor-{os.getpid()}")
+        return self._actor_proc
 
     def _close_actor_process(self) -> None:
         if self._actor_proc is not None:

@@ -394,13 +394,17 @@ def test_the_actor_process_takes_the_threaded_steps_bit_for_bit(case, tmp_path):
     """sac.actor_process: the actor's side of the pipelined step in its own process gives the threaded step's
     numbers exactly (the same ops in the same order, the minibatches drawn in the learner in the same order), over
     two calls, and again after the learner loads a checkpoint (which replaces the optimizers' state: the process is
-    started anew on it)."""
+    started anew on it). The process starts in the warm-up, before learning_starts, so that its start-up overlaps
+    the collection."""
     extra = {"twin": [], "rlpd_critics": ["sac.critic_layernorm=true", "sac.n_critics=4", "sac.min_qs=2",
                                           "sac.actor_q=mean"],
              "bc": ["sac.bc_coef=2.0", "sac.critic_layernorm=true"]}[case] + ["sac.parallel_update=true"]
     make = _bc_learner if case == "bc" else _pendulum_learner
     thread, proc = make(*extra), make(*extra, "sac.actor_process=true")
     try:
+        steps, proc.env_steps = proc.env_steps, 0  # the warm-up: no gradient step, the process started
+        assert proc._updates(0, 7) == {"sac/updates": 0} and proc._actor_proc.proc.poll() is None
+        proc.env_steps = steps
         for _ in range(2):
             assert proc._updates(0, 7) == thread._updates(0, 7)
         _same_learners(thread, proc)
