@@ -49,12 +49,12 @@ PRESET = "sac_halfcheetah"
 SETTINGS: list[str] = []  # --set: overrides of the preset, for both libraries
 SB3_ORDER = ["sac.parallel_update=false", "sac.actor_process=false"]  # the critics step before the actor reads them
 THREADS = ["sac.parallel_update=true", "sac.actor_process=false"]  # the two sides of a step at once, in two threads
+PROCESS = ["sac.parallel_update=true", "sac.actor_process=true"]  # the same, the actor's side in a process of its own
 PLANS = {"lockstep": ["cluster.placement=env,rollout,actor: 0", "sac.max_policy_lag=0", *SB3_ORDER],
          "wide": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=0", *SB3_ORDER],
          "pipelined": ["cluster.placement=env,rollout: 0; actor: 1", "sac.max_policy_lag=1", *SB3_ORDER],
          "parallel": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=0", *THREADS],
-         "overlapped": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=1",
-                        "sac.parallel_update=true", "sac.actor_process=true"]}
+         "overlapped": ["cluster.placement=env,rollout: 0; actor: 0-1:0", "sac.max_policy_lag=1", *PROCESS]}
 
 
 def sb3_model(seed: int, common: bool = False):
@@ -208,7 +208,7 @@ def update_only(threads: int, rounds: int = 5, n: int = 64, critics: tuple[str, 
                      (f"{name} autograd", [*SB3_ORDER, *CRITICS[c], "sac.grad=autograd"])]
     if "twin" in critics:
         variants += [("m2flow parallel", THREADS),
-                     ("m2flow parallel process", ["sac.parallel_update=true", "sac.actor_process=true"]),
+                     ("m2flow parallel process", PROCESS),
                      ("m2flow parallel autograd", [*THREADS, "sac.grad=autograd"])]
     for name, extra in variants:
         if "parallel" in name and threads < 2:
