@@ -384,6 +384,8 @@ class DataConfig:
     digits: int = opt(2, "operand digits of the arithmetic task")
     digits_b: int = opt(0, "digits of the arithmetic task's second operand (0: data.digits); 3 and 2 give 123*45")
     ops: str = opt("+", "operators of the arithmetic task, e.g. '+-'")
+    answer_width: int = opt(0, "arithmetic: answers shorter than this many digits are written with leading zeros "
+                               "(3: 37+45=082), so that each answer digit has one place; 0: as they are")
     train_size: int = opt(5000, "synthetic training problems")
     eval_size: int = opt(200, "held-out problems for evaluation")
     max_prompt_len: int = opt(64, "prompts longer than this (in tokens) are dropped, with a count")
@@ -395,6 +397,8 @@ class DataConfig:
             raise ConfigError(f"{where}.layout must be plain | gsm8k | math, got '{self.layout}'")
         if self.task == "file" and not self.path:
             raise ConfigError(f"{where}.path is required when {where}.task=file")
+        if self.answer_width < 0:
+            raise ConfigError(f"{where}.answer_width must be >= 0, got {self.answer_width}")
         if self.digits < 1 or self.digits_b < 0:
             raise ConfigError(f"{where}.digits must be >= 1 and {where}.digits_b >= 0 (0: as digits), got "
                               f"{self.digits} and {self.digits_b}")
@@ -560,9 +564,12 @@ class SFTConfig:
     steps: int = opt(0, "supervised warm-start steps on the task's reference answers before RL (0: none)")
     batch_size: int = opt(64, "SFT batch size")
     lr: float = opt(3e-3, "SFT learning rate (cosine decay over sft.steps)")
-    target_accuracy: float = opt(0.0, "stop the warm start early once its training batches' exact match (teacher-"
-                                      "forced greedy: every answer token the argmax), averaged over the last 10 "
-                                      "steps, reaches this; 0: run all sft.steps")
+    target_accuracy: float = opt(0.0, "stop the warm start early once its greedy exact match on sft.val_size "
+                                      "held-back training problems (checked every sft.val_every steps) reaches "
+                                      "this; 0: run all sft.steps")
+    val_size: int = opt(256, "sft.target_accuracy: training-split problems held back from the warm start to "
+                             "measure it on (never trained on by the warm start nor, for synthetic tasks, by RL)")
+    val_every: int = opt(25, "sft.target_accuracy: steps between two measurements on the held-back problems")
     tool_fraction: float = opt(1.0, "with a calc tool (agent.tools): the share of the warm start's references that "
                                     "call it; the others answer directly (a seeded draw per problem)")
 
@@ -571,6 +578,9 @@ class SFTConfig:
             raise ConfigError(f"{where}.tool_fraction must be in [0, 1], got {self.tool_fraction}")
         if not 0.0 <= self.target_accuracy <= 1.0:
             raise ConfigError(f"{where}.target_accuracy must be in [0, 1], got {self.target_accuracy}")
+        if self.val_size < 1 or self.val_every < 1:
+            raise ConfigError(f"{where}.val_size and {where}.val_every must be >= 1, got {self.val_size} and "
+                              f"{self.val_every}")
 
 
 def refill_reward_ranks(cfg, ranks: int) -> None:

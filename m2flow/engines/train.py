@@ -278,14 +278,17 @@ def sft(
     weight_decay: float = 0.0,
     target_accuracy: float = 0.0,
     accuracy_window: int = 10,
+    val_pairs: Sequence[tuple[str, str]] | None = None,
+    val_every: int = 25,
 ) -> list[float]:
     """Fine-tune on prompt -> answer + eos with the loss on answer (and eos) tokens only; returns per-step losses.
 
     Each step samples `batch_size` pairs (seeded, without replacement within an epoch), AdamW,
     linear warmup (5% of the steps when None) then cosine decay to 10% of lr (`schedule="constant"` keeps
-    lr flat after warmup). With `target_accuracy` > 0 it stops early, after the first step at which the batches'
-    exact match (`batch_exact_match`), averaged over the last `accuracy_window` steps, reaches it: the schedule
-    still spans `steps`. Leaves the model in eval mode.
+    lr flat after warmup). With `target_accuracy` > 0 it stops early, the schedule still spanning `steps`: with
+    `val_pairs` (held back from `pairs`) after the first multiple of `val_every` steps at which their greedy exact
+    match (`exact_match`) reaches it; without, after the first step at which the training batches' exact match
+    (`batch_exact_match`), averaged over the last `accuracy_window` steps, does. Leaves the model in eval mode.
     """
     if not pairs:
         raise ValueError("sft: no (prompt, answer) pairs")
@@ -297,7 +300,8 @@ def sft(
     if eos is None:
         raise ValueError("sft: the tokenizer has no eos_token_id (needed to end answers)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    encoded = [(_encode(tokenizer, p), _encode(tokenizer, a) + [eos]) for p, a in pairs]
+    encoded = _encode_pairs(tokenizer, pairs)
+    held_out = collate(_encode_pairs(tokenizer, val_pairs), pad) if target_accuracy and val_pairs else None
 
     warmup = steps // 20 if warmup_steps is None else warmup_steps
     rng = random.Random(seed)
@@ -306,7 +310,8 @@ def sft(
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
     losses: list[float] = []
     matches: list[float] = []
-    with _progress(progress, steps) as advance:
+    recent = 0.0
+    with _progress(progress, steps, "held-out" if held_out is not None else "exact match") as advance:
         for step in range(steps):
             for group in optim.param_groups:
                 group["lr"] = lr * _lr_factor(step, steps, warmup, schedule)
@@ -327,9 +332,16 @@ def sft(
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optim.step()
             losses.append(loss.item())
-            recent = sum(matches[-accuracy_window:]) / len(matches[-accuracy_window:])
+            if held_out is not None:
+                if (step + 1) % val_every == 0:
+                    recent = _batch_accuracy(model, held_out)
+                    model.train()
+                reached = (step + 1) % val_every == 0 and recent >= target_accuracy
+            else:
+                recent = sum(matches[-accuracy_window:]) / len(matches[-accuracy_window:])
+                reached = bool(target_accuracy) and len(matches) >= accuracy_window and recent >= target_accuracy
             advance(loss.item(), recent)
-            if target_accuracy and len(matches) >= accuracy_window and recent >= target_accuracy:
+            if reached:
                 break
     model.eval()
     return losses
@@ -343,6 +355,24 @@ def batch_exact_match(logits: torch.Tensor, batch: dict[str, torch.Tensor], star
     scored = batch["response_mask"][:, start + 1:].to(logits.device).bool()
     right = (logits[:, :-1].argmax(-1) == targets) | ~scored
     return right.all(dim=1).float().mean().item()
+
+
+def exact_match(model, tokenizer, pairs: Sequence[tuple[str, str]]) -> float:
+    """The share of (prompt, answer) pairs that greedy decoding answers exactly (answer, then eos), read off one
+    teacher-forced pass (`batch_exact_match`). Leaves the model in eval mode."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return _batch_accuracy(model, collate(_encode_pairs(tokenizer, pairs), pad))
+
+
+def _batch_accuracy(model, batch: dict[str, torch.Tensor]) -> float:
+    model.eval()
+    with torch.no_grad():
+        start = _first_needed(batch)
+        return batch_exact_match(_logits(model, batch, start), batch, start)
+
+
+def _encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+    return [(_encode(tokenizer, p), _encode(tokenizer, a) + [tokenizer.eos_token_id]) for p, a in pairs]
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -361,8 +391,8 @@ def _lr_factor(step: int, steps: int, warmup: int, schedule: str) -> float:
 class _progress:
     """Context manager yielding advance(loss, exact_match): a rich progress bar when enabled, else a no-op."""
 
-    def __init__(self, enabled: bool, total: int):
-        self.enabled, self.total = enabled, total
+    def __init__(self, enabled: bool, total: int, what: str = "exact match"):
+        self.enabled, self.total, self.what = enabled, total, what
 
     def __enter__(self):
         if not self.enabled:
@@ -371,7 +401,7 @@ class _progress:
 
         self.bar = Progress(
             TextColumn("sft"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
-            TextColumn("exact match {task.fields[match]:.0%}"), TimeRemainingColumn(),
+            TextColumn(self.what + " {task.fields[match]:.0%}"), TimeRemainingColumn(),
         )
         self.bar.start()
         task = self.bar.add_task("sft", total=self.total, loss=float("nan"), match=0.0)

@@ -375,6 +375,21 @@ def test_sft_stops_at_its_target_accuracy_where_greedy_decoding_answers_as_often
         sft(model, tok, pairs, steps=1, target_accuracy=1.5, progress=False)
 
 
+def test_sft_stops_when_greedy_decoding_answers_the_held_back_pairs_as_often(model, tok):
+    """With `val_pairs` the target is read every `val_every` steps off the held-back pairs (which it never trains
+    on), and `exact_match` is what greedy decoding answers exactly on them."""
+    pairs = [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
+    train, held_back = pairs[::2] + pairs[1::4], pairs[3::4]
+    losses = sft(model, tok, train, steps=400, batch_size=32, lr=3e-3, seed=0, progress=False, target_accuracy=0.3,
+                 val_pairs=held_back, val_every=5)
+    assert 5 <= len(losses) < 400 and len(losses) % 5 == 0
+    reached = train_mod.exact_match(model, tok, held_back)
+    encoded = [(tok(p)["input_ids"], tok(a)["input_ids"] + [tok.eos_token_id]) for p, a in held_back]
+    out = HFEngine(model, tok).generate([p for p, _ in encoded], SamplingParams(max_new_tokens=3, temperature=0))
+    greedy = sum(g[0].response_ids[:len(a)] == a for g, (_, a) in zip(out, encoded)) / len(held_back)
+    assert reached == pytest.approx(greedy, abs=1e-6) and 0.3 <= greedy < 1, (greedy, reached)
+
+
 def test_the_native_engine_hands_a_mixture_of_experts_to_hf_generate(moe_dir):
     """The native engine runs dense Qwen2 and Llama: for another model HF generate takes over with a warning, except
     where multi-turn tool rollouts need the native engine (an error naming why)."""

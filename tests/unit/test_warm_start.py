@@ -37,26 +37,28 @@ def test_tool_fraction_outside_zero_one_is_refused():
         C.load(C.ReasoningConfig, "agent_calc", ["sft.tool_fraction=1.5"])
 
 
-def test_sft_target_accuracy_from_the_config_ends_the_warm_start_where_greedy_answers_as_often(tmp_path, capsys):
-    """`sft.target_accuracy` (the demo's): the warm start stops at the first step whose last 10 batches answered that
-    often, says so, and the model it writes answers the training problems about as often."""
-    import torch
-
+def test_sft_target_accuracy_from_the_config_ends_the_warm_start_where_greedy_answers_the_held_back_problems(
+        tmp_path, capsys):
+    """`sft.target_accuracy` (the demo's): the warm start stops at the first check (every `sft.val_every` steps) at
+    which greedy decoding answers that share of `sft.val_size` held-back training problems, which it never trained
+    on, says so, and the model it writes answers them that often."""
     from m2flow.engines.hf import init_tiny_model, load_model, load_tokenizer
-    from m2flow.engines.train import _logits, batch_exact_match, collate
-    from m2flow.workloads.reasoning.warm_start import sft_model
+    from m2flow.engines.train import exact_match
+    from m2flow.workloads.reasoning.warm_start import sft_model, validation_pairs
 
     cfg = C.load(C.ReasoningConfig, "demo", ["model.tiny_hidden=32", "model.tiny_layers=1", "data.digits=1",
-                                             "data.train_size=80", "data.eval_size=10", "sft.steps=400",
-                                             "sft.target_accuracy=0.5", "run.progress=false"])
+                                             "data.train_size=70", "data.eval_size=10", "sft.steps=400",
+                                             "sft.target_accuracy=0.5", "sft.val_size=12", "sft.val_every=5",
+                                             "data.answer_width=0", "run.progress=false"])
+    held_back, pairs = validation_pairs(cfg), sft_pairs(cfg)
+    assert len(held_back) == 12 and len(pairs) == 70 and not {p for p, _ in held_back} & {p for p, _ in pairs}
     init = init_tiny_model(tmp_path / "init", hidden_size=32, num_layers=1, seed=0)
     losses = sft_model(str(init), str(tmp_path / "sft"), cfg, progress=False)
-    assert 10 <= len(losses) < 400
-    assert capsys.readouterr().out.strip() == (f"[m2flow sft] stopped after {len(losses)} of 400 steps: the training "
-                                               f"batches' exact match reached sft.target_accuracy=0.5")
+    assert 5 <= len(losses) < 400 and len(losses) % 5 == 0
     model, tok = load_model(str(tmp_path / "sft")), load_tokenizer(str(tmp_path / "sft"))
-    pairs = sft_pairs(cfg)
-    batch = collate([(tok(p)["input_ids"], tok(a)["input_ids"] + [tok.eos_token_id]) for p, a in pairs],
-                    tok.eos_token_id)
-    with torch.no_grad():
-        assert batch_exact_match(_logits(model, batch), batch) >= 0.4
+    reached = exact_match(model, tok, held_back)
+    assert reached >= 0.5
+    assert capsys.readouterr().out.strip() == (f"[m2flow sft] stopped after {len(losses)} of 400 steps: greedy exact "
+                                               f"match {reached:.1%} on 12 held-back training problems (reached "
+                                               f"sft.target_accuracy=0.5)")
+    assert validation_pairs(C.load(C.ReasoningConfig, "demo", ["sft.target_accuracy=0"])) == []  # no target, none

@@ -53,18 +53,21 @@ def _sample_unique(n: int, seed: int, split: str, holdout: float, make, task: st
 
 def arithmetic(
     n: int, seed: int = 0, digits: int = 2, ops: str = "+", split: str = "train", holdout: float = 0.1,
-    digits_b: int = 0,
+    digits_b: int = 0, answer_width: int = 0,
 ) -> list[dict]:
     """n distinct problems like {"prompt": "37+45=", "answer": "82", "solution": "82", "expression": "37+45"}.
 
     Operands have exactly `digits` digits (0-9 when digits == 1), the second one `digits_b` if given (123*45 with
     3 and 2); `ops` is any of "+-*". For "-" the larger operand comes first, so answers are never negative.
+    An answer shorter than `answer_width` digits is written with leading zeros (3: "082").
     """
     bad = set(ops) - set("+-*")
     if not ops or bad:
         raise ValueError(f"arithmetic: ops must be a non-empty string of '+', '-', '*', got {ops!r}")
     if digits < 1 or digits_b < 0:
         raise ValueError(f"arithmetic: digits must be >= 1 and digits_b >= 0, got {digits} and {digits_b}")
+    if answer_width < 0:
+        raise ValueError(f"arithmetic: answer_width must be >= 0, got {answer_width}")
 
     def span(d: int) -> tuple[int, int]:
         return (0 if d == 1 else 10 ** (d - 1)), 10**d - 1
@@ -76,7 +79,7 @@ def arithmetic(
         if op == "-" and a < b:
             a, b = b, a
         prompt = f"{a}{op}{b}="
-        answer = str(_OPS[op](a, b))
+        answer = str(_OPS[op](a, b)).zfill(answer_width)
         return prompt, {"prompt": prompt, "answer": answer, "solution": answer, "expression": f"{a}{op}{b}"}
 
     return _sample_unique(n, seed, split, holdout, make, "arithmetic")

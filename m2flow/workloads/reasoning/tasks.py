@@ -28,7 +28,8 @@ def task_records(data, seed: int, split: str) -> list[dict]:
         cut = max(len(records) - data.eval_size, 1) if len(records) > data.eval_size else len(records)
         return records[:cut] if split == "train" else records[cut:] or records[-1:]
     size = data.train_size if split == "train" else data.eval_size
-    kwargs = {"digits": data.digits, "digits_b": data.digits_b, "ops": data.ops} if data.task == "arithmetic" else {}
+    kwargs = ({"digits": data.digits, "digits_b": data.digits_b, "ops": data.ops, "answer_width": data.answer_width}
+              if data.task == "arithmetic" else {})
     return make_task(data.task, size, seed=seed, split=split, **kwargs)
 
 

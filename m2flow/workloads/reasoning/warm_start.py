@@ -4,6 +4,7 @@ supervised warm start (SFT) on the task's reference answers. Used by the flows, 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,28 +34,51 @@ def prepare_model(cfg, run_path: Path) -> str:
 def sft_model(model_path: str, out: str, cfg, progress: bool = True) -> list[float]:
     """Fine-tune `model_path` on the train split's reference answers; writes an HF directory to `out`."""
     from m2flow.engines.hf import load_model
-    from m2flow.engines.train import sft
+    from m2flow.engines.train import exact_match, sft
 
     torch.manual_seed(cfg.run.seed)
     model, tok = load_model(model_path), load_tokenizer(model_path)
+    held_back = validation_pairs(cfg)
     losses = sft(model, tok, sft_pairs(cfg), steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
-                 seed=cfg.run.seed, progress=progress, target_accuracy=cfg.sft.target_accuracy)
-    if len(losses) < cfg.sft.steps:
-        print(f"[m2flow sft] stopped after {len(losses)} of {cfg.sft.steps} steps: the training batches' exact match "
-              f"reached sft.target_accuracy={cfg.sft.target_accuracy:g}")
+                 seed=cfg.run.seed, progress=progress, target_accuracy=cfg.sft.target_accuracy,
+                 val_pairs=held_back, val_every=cfg.sft.val_every)
+    if held_back:
+        reached = len(losses) < cfg.sft.steps
+        print(f"[m2flow sft] {'stopped after' if reached else 'ran all'} {len(losses)} of {cfg.sft.steps} steps: "
+              f"greedy exact match {exact_match(model, tok, held_back):.1%} on {len(held_back)} held-back training "
+              f"problems ({'reached' if reached else 'short of'} sft.target_accuracy={cfg.sft.target_accuracy:g})")
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return losses
 
 
 def sft_pairs(cfg) -> list[tuple[str, str]]:
-    """(prompt, reference response) of every training problem; with a calc tool, a seeded `sft.tool_fraction` of the
-    references call it and the others answer directly."""
+    """(prompt, reference response) of every training problem the warm start trains on; with a calc tool, a seeded
+    `sft.tool_fraction` of the references call it and the others answer directly."""
+    return _pairs(cfg)[0]
+
+
+def validation_pairs(cfg) -> list[tuple[str, str]]:
+    """The `sft.val_size` training-split problems held back from the warm start, which `sft.target_accuracy` is
+    measured on (none without a target): synthetic tasks draw them after the `data.train_size` problems RL trains
+    on, a file gives the last of its training records (which the warm start then leaves out)."""
+    return _pairs(cfg)[1]
+
+
+def _pairs(cfg) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     from m2flow.workloads.reasoning.tasks import task_records
 
+    held_back = cfg.sft.val_size if cfg.sft.target_accuracy else 0
+    if cfg.data.task == "file":
+        records = task_records(cfg.data, cfg.run.seed, "train")
+        held_back = min(held_back, len(records) // 2)
+        cut = len(records) - held_back
+    else:
+        cut = cfg.data.train_size
+        records = task_records(replace(cfg.data, train_size=cut + held_back), cfg.run.seed, "train")
     draw = random.Random(cfg.run.seed)
-    return [(r["prompt"], reference(r, cfg.agent.tools, draw.random() < cfg.sft.tool_fraction))
-            for r in task_records(cfg.data, cfg.run.seed, "train")]
+    pairs = [(r["prompt"], reference(r, cfg.agent.tools, draw.random() < cfg.sft.tool_fraction)) for r in records]
+    return pairs[:cut], pairs[cut:]
 
 
 def reference(record: dict, tools: dict, use_tool: bool = True) -> str:
