@@ -73,10 +73,11 @@ def run_demo(overrides: list[str] | None = None, cluster=None) -> dict:
     print(f"[m2flow demo] run directory: {cfg.run.path}" + (f" (the earlier run there, {replaced}, is replaced: "
                                                             f"run.overwrite)" if replaced else ""))
     with run_dir_claimed(cfg.run.path, cfg.run.resume, cfg.run.overwrite):  # the warm start and GRPO: one run
-        until = (f"up to {cfg.sft.steps} steps, until its batches' exact match reaches {cfg.sft.target_accuracy:.0%}"
-                 if cfg.sft.target_accuracy else f"{cfg.sft.steps} steps")
+        until = (f"up to {cfg.sft.steps} steps, until greedy decoding answers {cfg.sft.target_accuracy:.0%} of "
+                 f"{cfg.sft.val_size} held-back problems" if cfg.sft.target_accuracy else f"{cfg.sft.steps} steps")
+        width = f", answers as {cfg.data.answer_width} digits" if cfg.data.answer_width else ""
         print(f"[m2flow demo] 1/3 tiny model (hidden {cfg.model.tiny_hidden}, {cfg.model.tiny_layers} layers) + SFT "
-              f"warm start ({until}) on {cfg.data.digits}-digit arithmetic")
+              f"warm start ({until}) on {cfg.data.digits}-digit arithmetic{width}")
         start_model = prepare_model(cfg, cfg.run.path)
         before = evaluate_model(start_model, cfg)
         print(f"[m2flow demo]     held-out after SFT: pass@1 {before['pass@1']:.1%}, pass@8 {before['pass@8']:.1%}")

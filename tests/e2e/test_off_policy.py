@@ -78,10 +78,10 @@ def test_one_step_off_policy_learns(cluster, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_one_step_off_policy_raises_held_out_accuracy_on_arithmetic(cluster, tmp_path):
-    """The main job's task and start (the demo: tiny Qwen2, SFT warm start to 30% exact match on 2-digit addition,
-    exact-match reward), pipelined, every sample one weight version old: 40 GRPO steps at lr 1e-4 raise held-out
-    greedy pass@1 on 200 problems (measured on an Intel Xeon: 35.5% -> 40.5%; at lr 2e-4 39.0%, and on-policy at
-    2e-4 38.5%; on an AMD EPYC, from the 800-step start the demo had then, 34.0% -> 43.5% in 12 steps)."""
+    """The main job's task, start and settings (the demo: tiny Qwen2, answers as three digits, SFT warm start until
+    greedy decoding answers 30% of its held-back problems, exact-match reward, four mini-batches a step), pipelined,
+    every sample one weight version old: 40 GRPO steps at lr 1e-4 raise held-out greedy pass@1 on 200 problems by at
+    least 10 points (measured on an AMD EPYC, seeds 0, 1 and 3: OFFPOLICY_FIGURES)."""
     from m2flow.demo import run_demo
 
     result = run_demo([f"run.dir={tmp_path}", "run.name=heldout", "run.progress=false", "run.steps=40",
@@ -91,7 +91,7 @@ def test_one_step_off_policy_raises_held_out_accuracy_on_arithmetic(cluster, tmp
     assert [r["actor/staleness_max"] for r in metrics] == [0] + [1] * 39 and all(
         r["actor/staleness_mean"] == r["actor/staleness_max"] for r in metrics)  # every sample exactly one step old
     before, after = result["before"]["pass@1"], result["after"]["pass@1"]
-    assert after >= before + 0.025, f"held-out pass@1 {before:.1%} -> {after:.1%}"
+    assert after >= before + 0.10, f"held-out pass@1 {before:.1%} -> {after:.1%}"
 
 
 def test_resume_with_steps_in_flight(cluster, tmp_path):
