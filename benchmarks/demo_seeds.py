@@ -44,7 +44,8 @@ def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| seed | after SFT | after GRPO | gain | SFT steps | wall s | load |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| seed | after SFT | after GRPO | gain | SFT steps | wall s | load |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['seed']} | {r['before']:.1f}% | {r['after']:.1f}% | {r['gain']:+.1f} | {r['sft_steps']} | "
               f"{r['wall_s']} | {r['load']:.2f} |" for r in rows]
     med = {k: statistics.median(r[k] for r in rows) for k in ("before", "after", "gain", "wall_s")}

@@ -49,6 +49,22 @@ def test_arithmetic_operands_can_have_different_lengths():
     assert {r["expression"][3] for r in recs} == {"*", "-"}
 
 
+def test_arithmetic_answers_at_one_width_are_zero_padded_and_the_same_problems():
+    """`answer_width` pads shorter answers with leading zeros (the demo's 3: 37+45=082) and changes nothing else:
+    the same prompts in the same order, the reward checks the padded answer."""
+    from m2flow.workloads.reasoning.rewards import exact_match
+
+    plain, padded = arithmetic(300, seed=0), arithmetic(300, seed=0, answer_width=3)
+    assert [r["prompt"] for r in padded] == [r["prompt"] for r in plain]
+    for p, q in zip(plain, padded):
+        assert len(q["answer"]) == 3 and int(q["answer"]) == int(p["answer"]) and q["solution"] == q["answer"]
+    short = next(q for q in padded if q["answer"].startswith("0"))
+    assert exact_match(short["answer"], short["answer"]) == 1.0
+    assert exact_match(short["answer"].lstrip("0"), short["answer"]) == 0.0
+    with pytest.raises(ValueError, match="answer_width must be >= 0, got -1"):
+        arithmetic(5, answer_width=-1)
+
+
 def test_arithmetic_small_space_is_a_clear_error():
     with pytest.raises(ValueError, match="too small"):
         arithmetic(50, digits=1, split="test")
