@@ -35,7 +35,7 @@ def test_the_main_job_shortened_lifts_held_out_accuracy_by_15_points(cluster, tm
     stopped at 40% of the held-back problems instead of 30%, 100 GRPO steps instead of 200, 200 held-out problems:
     greedy pass@1 gains at least 15 points. GRPO with a broken update (zero advantages, a wrong sign, a stale policy)
     gains nothing or loses. From the demo's 30% stop a slow seed gains too little in a short run (seed 1: 26.5% ->
-    34.5% in 50 steps); from the 40% stop, measured on an AMD EPYC: seed 1 36.5% -> 80.5%, seed 2 36.5% -> 57.5%DEMO0."""
+    34.5% in 50 steps); from the 40% stop, measured on an AMD EPYC: seed 1 36.5% -> 80.5%, seed 2 36.5% -> 57.5%."""
     result = run_demo([f"run.dir={tmp_path}", "run.name=learns", "run.progress=false", "run.steps=100",
                        "run.eval_every=0", "run.save_every=0", "data.eval_size=200", "sft.target_accuracy=0.4"],
                       cluster)

@@ -82,7 +82,7 @@ def test_one_step_off_policy_raises_held_out_accuracy_on_arithmetic(cluster, tmp
     mini-batches a step) from its warm start stopped at 40% of the held-back problems, pipelined, every sample one
     weight version old: 40 GRPO steps at lr 1e-4 raise held-out greedy pass@1 on 200 problems by at least 10 points.
     From the demo's own 30% stop a slow seed gains too little in 40 steps (seed 1: 26.5% -> 29.0%; seed 0: 32.5% ->
-    58.5%); from the 40% stop, measured on an AMD EPYC: seed 1 36.5% -> 56.0%, seed 2 36.5% -> 49.0%OFF0."""
+    58.5%); from the 40% stop, measured on an AMD EPYC: seed 1 36.5% -> 56.0%, seed 2 36.5% -> 49.0%."""
     from m2flow.demo import run_demo
 
     result = run_demo([f"run.dir={tmp_path}", "run.name=heldout", "run.progress=false", "run.steps=40",
