@@ -38,8 +38,8 @@ def sft_model(model_path: str, out: str, cfg, progress: bool = True) -> list[flo
 
     torch.manual_seed(cfg.run.seed)
     model, tok = load_model(model_path), load_tokenizer(model_path)
-    held_back = validation_pairs(cfg)
-    losses = sft(model, tok, sft_pairs(cfg), steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
+    pairs, held_back = _pairs(cfg)  # one draw of the training split for both
+    losses = sft(model, tok, pairs, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
                  seed=cfg.run.seed, progress=progress, target_accuracy=cfg.sft.target_accuracy,
                  val_pairs=held_back, val_every=cfg.sft.val_every)
     if held_back:
