@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.resources
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -33,13 +34,56 @@ class ConfigError(UserError):
     """A config value or key is wrong; the message names the dotted field and what was expected."""
 
 
-def opt(default: Any, help: str, *, factory: bool = False) -> Any:
-    """A dataclass field with a one-line description (shown by `m2flow train --help-config`)."""
+class Interval:
+    """A numeric field's range in interval notation, e.g. '[0, 1)', '(0, inf)', '[1, inf)': a value must lie in it,
+    and so be finite (NaN lies in none). A list field's range holds for each of its numbers."""
+
+    def __init__(self, text: str):
+        lo, comma, hi = text[1:-1].partition(",")
+        if text[:1] not in "[(" or text[-1:] not in "])" or not comma:
+            raise ValueError(f"an interval looks like '[0, 1)' or '(0, inf)', got {text!r}")
+        self.text, self.lo, self.hi = text, float(lo), float(hi)
+        self.lo_closed, self.hi_closed = text[0] == "[", text[-1] == "]"
+
+    def __contains__(self, v: float) -> bool:
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        above = v >= self.lo if self.lo_closed else v > self.lo
+        below = v <= self.hi if self.hi_closed else v < self.hi
+        return above and below
+
+    def __str__(self) -> str:
+        """'>= 0', '> 0', 'in [0, 1)', or 'a finite number': how an error message and --help-config say it."""
+        lo, hi = math.isinf(self.lo), math.isinf(self.hi)
+        if lo and hi:
+            return "a finite number"
+        if hi:
+            return f"{'>=' if self.lo_closed else '>'} {self.lo:g}"
+        if lo:
+            return f"{'<=' if self.hi_closed else '<'} {self.hi:g}"
+        return f"in {self.text}"
+
+    def check(self, name: str, value: Any) -> None:
+        """Raise ConfigError naming `name` if a number in `value` (a number, a list of them, or None) lies outside."""
+        numbers = value if isinstance(value, (list, tuple)) else [value]
+        for v in numbers:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in self:
+                each = " (each of them)" if numbers is value else ""
+                raise ConfigError(f"{name} must be {self}{each}, got {value}")
+
+
+FINITE = Interval("(-inf, inf)")
+
+
+def opt(default: Any, help: str, *, within: str | None = None, factory: bool = False) -> Any:
+    """A dataclass field with a one-line description (shown by `m2flow train --help-config`); a numeric field
+    declares the interval its values must lie in (`within='[0, 1)'`), which validation enforces."""
+    meta = {"help": help, **({"within": Interval(within)} if within else {})}
     if factory:
-        return field(default_factory=default, metadata={"help": help})
+        return field(default_factory=default, metadata=meta)
     if isinstance(default, (list, dict, set)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def section(cls: type, help: str) -> Any:
@@ -52,7 +96,8 @@ class ClusterConfig:
     address: str | None = opt(None, "Ray address to join (e.g. 'auto' or 'ray://head:10001'); None starts a local Ray instance")
     cpu_devices: int | list[int] | None = opt(None, "CPU devices per node when there are no GPUs: a count (equal "
                                               "slices of the cores), or each device's cores, e.g. [1, 3] (a "
-                                              "1-core device 0 and a 3-core device 1); default: one per core")
+                                              "1-core device 0 and a 3-core device 1); default: one per core",
+                                              within="[1, inf)")
     placement: Any = opt("rollout,reward,inference,actor: all:0",
                          "component -> devices[:ranks]: 'rollout,reward,inference,actor: all:0' (collocated: one "
                          "process over every device, the stages take turns), 'rollout: 0; reward,inference,actor: 1' "
@@ -64,7 +109,7 @@ class ClusterConfig:
                                      "next begins: disk on CPU devices) | false | auto (when the state of a device's "
                                      "components exceeds cluster.device_memory_gb, or the auto plan offloads)")
     device_memory_gb: float = opt(0.0, "memory of one device, for offload=auto (0: unknown, offload only where the "
-                                       "auto plan does)")
+                                       "auto plan does)", within="[0, inf)")
     foreground: str | list[str] | None = opt(None, "components whose processes keep their CPU priority while every "
                                                    "other process of the run on the driver's node (the other workers, "
                                                    "the driver, the Ray daemons m2flow started) runs at nice 19, e.g. "
@@ -85,13 +130,9 @@ class ClusterConfig:
                               f"({', '.join(self.COMPONENTS)})")
         if self.offload not in (True, False, "auto"):
             raise ConfigError(f"{where}.offload must be true | false | auto, got {self.offload!r}")
-        if self.device_memory_gb < 0:
-            raise ConfigError(f"{where}.device_memory_gb must be >= 0, got {self.device_memory_gb}")
-        count = 1 if self.cpu_devices is None else self.cpu_devices
-        sizes = self.cpu_devices if isinstance(self.cpu_devices, list) else [count]
-        if not sizes or min(sizes) < 1:
-            raise ConfigError(f"{where}.cpu_devices must be a count >= 1 or a list of each device's cores (each "
-                              f">= 1, e.g. [1, 3]), got {self.cpu_devices}")
+        if self.cpu_devices == []:
+            raise ConfigError(f"{where}.cpu_devices must be a count >= 1 or a list of each device's cores (e.g. "
+                              f"[1, 3]), got []")
         if not isinstance(self.placement, (str, dict)):
             raise ConfigError(f"{where}.placement must be a string or a mapping, got {type(self.placement).__name__}")
 
@@ -100,11 +141,11 @@ class ClusterConfig:
 class RunConfig:
     name: str = opt("run", "run name: outputs go to <dir>/<name>/")
     dir: str = opt("runs", "parent folder of run directories")
-    seed: int = opt(0, "global seed (data order, sampling, init)")
-    steps: int = opt(20, "training steps")
-    save_every: int = opt(0, "write a checkpoint every N steps (0: only at the end)")
+    seed: int = opt(0, "global seed (data order, sampling, init)", within="[0, 2147483647]")
+    steps: int = opt(20, "training steps", within="[0, inf)")
+    save_every: int = opt(0, "write a checkpoint every N steps (0: only at the end)", within="[0, inf)")
     eval_every: int = opt(0, "evaluate on the held-out split every N steps (reasoning: greedy pass@1 from step 0 on, "
-                                "eval/pass@1; embodied: eval.episodes, eval/return_mean); 0: off")
+                                "eval/pass@1; embodied: eval.episodes, eval/return_mean); 0: off", within="[0, inf)")
     resume: bool = opt(False, "continue from the newest checkpoint in the run directory")
     overwrite: bool = opt(False, "start over in a run directory that holds a run: remove everything in it first "
                                  "(metrics, checkpoints, plots, warm-start model, profile); without it such a "
@@ -113,9 +154,6 @@ class RunConfig:
     progress: bool = opt(True, "show a progress bar")
 
     def validate(self, where: str) -> None:
-        for name in ("steps", "save_every", "eval_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
         if self.resume and self.overwrite:
             raise ConfigError(f"{where}.resume and {where}.overwrite are both true: continue the run (resume) or "
                               f"remove it and start over (overwrite), not both")
@@ -161,6 +199,11 @@ def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
             return False, value
         if isinstance(value, (int, float)):
             return True, float(value)
+        if isinstance(value, str):  # YAML 1.1 leaves '2e-3' and 'nan' as text inside lists
+            try:
+                return True, float(value)
+            except ValueError:
+                pass
         return False, value
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool), value
@@ -201,11 +244,14 @@ def from_dict(cls: type, data: dict | None, where: str = "") -> Any:
 
 
 def validate(obj: Any, where: str = "") -> None:
-    """Run `validate(where)` on every section that defines it."""
+    """Check every number against its field's declared interval (a float without one must be finite), then run
+    `validate(where)` on every section that defines it."""
     for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
+        value, name = getattr(obj, f.name), f"{where}.{f.name}" if where else f.name
         if dataclasses.is_dataclass(value):
-            validate(value, f"{where}.{f.name}" if where else f.name)
+            validate(value, name)
+        else:
+            f.metadata.get("within", FINITE).check(name, value)
     if hasattr(obj, "validate"):
         obj.validate(where or "config")
 
@@ -308,7 +354,8 @@ def save_yaml(obj: Any, path: str | Path) -> None:
 
 
 def describe(cls: type, where: str = "") -> list[tuple[str, Any, str]]:
-    """(dotted name, default, help) for every field: what `--help-config` prints."""
+    """(dotted name, default, help) for every field, the help led by a numeric field's range: what `--help-config`
+    prints."""
     rows = []
     for f in dataclasses.fields(cls):
         name = f"{where}.{f.name}" if where else f.name
@@ -317,7 +364,8 @@ def describe(cls: type, where: str = "") -> list[tuple[str, Any, str]]:
             rows += describe(hint, name)
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            rows.append((name, default, f.metadata.get("help", "")))
+            within = f.metadata.get("within")
+            rows.append((name, default, f"[{within}] " * bool(within) + f.metadata.get("help", "")))
     return rows
 
 
@@ -326,20 +374,15 @@ def describe(cls: type, where: str = "") -> list[tuple[str, Any, str]]:
 
 @dataclass
 class LoRAConfig:
-    r: int = opt(0, "LoRA rank (PEFT adapters; the actor trains only them); 0: full fine-tuning")
-    alpha: float = opt(16.0, "LoRA alpha: the adapters' update is scaled by alpha / r")
-    dropout: float = opt(0.0, "dropout on the adapters' input while training")
+    r: int = opt(0, "LoRA rank (PEFT adapters; the actor trains only them); 0: full fine-tuning", within="[0, inf)")
+    alpha: float = opt(16.0, "LoRA alpha: the adapters' update is scaled by alpha / r", within="(0, inf)")
+    dropout: float = opt(0.0, "dropout on the adapters' input while training", within="[0, 1)")
     target_modules: list = opt(["all-linear"], "modules to adapt, e.g. [q_proj, v_proj]; [all-linear]: every linear "
                                                "layer but the output head")
     sync: str = opt("adapters", "what a weight sync sends: adapters (each receiver applies them to its frozen base) "
                                 "| merged (the full merged weights)")
 
     def validate(self, where: str) -> None:
-        if not isinstance(self.r, int) or self.r < 0:
-            raise ConfigError(f"{where}.r must be an integer >= 0 (0: no LoRA), got {self.r!r}")
-        if self.alpha <= 0 or not 0 <= self.dropout < 1:
-            raise ConfigError(f"{where}.alpha must be > 0 and {where}.dropout in [0, 1), got {self.alpha} and "
-                              f"{self.dropout}")
         if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
             raise ConfigError(f"{where}.target_modules must be a non-empty list of module names (e.g. [q_proj, "
                               f"v_proj], or [all-linear]), got {self.target_modules!r}")
@@ -359,8 +402,8 @@ class ModelConfig:
     mixed_precision: bool = opt(True, "with dtype=bfloat16: the actor and critic keep float32 master weights and "
                                       "optimizer state and compute in bf16 (autocast), and weight syncs send the "
                                       "weights rounded to bf16; false: they train bf16 weights directly")
-    tiny_hidden: int = opt(64, "hidden size of the tiny model built when path is empty")
-    tiny_layers: int = opt(2, "layers of the tiny model built when path is empty")
+    tiny_hidden: int = opt(64, "hidden size of the tiny model built when path is empty", within="[1, inf)")
+    tiny_layers: int = opt(2, "layers of the tiny model built when path is empty", within="[1, inf)")
     tiny_arch: str = opt("qwen2", "architecture of the tiny model built when path is empty: qwen2 | llama | qwen2_moe "
                                   "(4 experts, 2 per token, and a shared expert)")
     lora: LoRAConfig = section(LoRAConfig, "LoRA adapters for the actor (model.lora.r > 0)")
@@ -381,14 +424,16 @@ class DataConfig:
                                "\\boxed{}); with gsm8k and math the full solution is kept for SFT")
     prompt_key: str = opt("", "prompt column of the file (empty: the layout's: prompt | question | problem)")
     answer_key: str = opt("", "answer column of the file (empty: the layout's: answer | answer | solution)")
-    digits: int = opt(2, "operand digits of the arithmetic task")
-    digits_b: int = opt(0, "digits of the arithmetic task's second operand (0: data.digits); 3 and 2 give 123*45")
+    digits: int = opt(2, "operand digits of the arithmetic task", within="[1, inf)")
+    digits_b: int = opt(0, "digits of the arithmetic task's second operand (0: data.digits); 3 and 2 give 123*45",
+                        within="[0, inf)")
     ops: str = opt("+", "operators of the arithmetic task, e.g. '+-'")
     answer_width: int = opt(0, "arithmetic: answers shorter than this many digits are written with leading zeros "
-                               "(3: 37+45=082), so that each answer digit has one place; 0: as they are")
-    train_size: int = opt(5000, "synthetic training problems")
-    eval_size: int = opt(200, "held-out problems for evaluation")
-    max_prompt_len: int = opt(64, "prompts longer than this (in tokens) are dropped, with a count")
+                               "(3: 37+45=082), so that each answer digit has one place; 0: as they are",
+                            within="[0, inf)")
+    train_size: int = opt(5000, "synthetic training problems", within="[1, inf)")
+    eval_size: int = opt(200, "held-out problems for evaluation", within="[1, inf)")
+    max_prompt_len: int = opt(64, "prompts longer than this (in tokens) are dropped, with a count", within="[1, inf)")
 
     def validate(self, where: str) -> None:
         if self.task not in ("arithmetic", "countdown", "file"):
@@ -397,11 +442,6 @@ class DataConfig:
             raise ConfigError(f"{where}.layout must be plain | gsm8k | math, got '{self.layout}'")
         if self.task == "file" and not self.path:
             raise ConfigError(f"{where}.path is required when {where}.task=file")
-        if self.answer_width < 0:
-            raise ConfigError(f"{where}.answer_width must be >= 0, got {self.answer_width}")
-        if self.digits < 1 or self.digits_b < 0:
-            raise ConfigError(f"{where}.digits must be >= 1 and {where}.digits_b >= 0 (0: as digits), got "
-                              f"{self.digits} and {self.digits_b}")
 
 
 CHECK_SYNC_HELP = ("verify that the receivers' weights equal the actor's (a hash of every weight on both sides): "
@@ -423,13 +463,13 @@ def _checks_sync(section_cfg, syncs_done: int) -> bool:
 @dataclass
 class RolloutConfig:
     engine: str = opt("native", "generation engine: native (batched KV-cache engine) | hf (transformers generate)")
-    prompts_per_step: int = opt(32, "prompts per training step")
-    n: int = opt(8, "samples per prompt (the GRPO group size)")
-    max_new_tokens: int = opt(8, "longest response, in tokens")
-    temperature: float = opt(1.0, "sampling temperature")
-    top_p: float = opt(1.0, "nucleus sampling threshold")
-    top_k: int = opt(0, "top-k sampling (0: off)")
-    max_slots: int = opt(256, "native engine: concurrent sequences (continuous batching slots)")
+    prompts_per_step: int = opt(32, "prompts per training step", within="[1, inf)")
+    n: int = opt(8, "samples per prompt (the GRPO group size)", within="[1, inf)")
+    max_new_tokens: int = opt(8, "longest response, in tokens", within="[1, inf)")
+    temperature: float = opt(1.0, "sampling temperature", within="(0, inf)")
+    top_p: float = opt(1.0, "nucleus sampling threshold", within="(0, 1]")
+    top_k: int = opt(0, "top-k sampling (0: off)", within="[0, inf)")
+    max_slots: int = opt(256, "native engine: concurrent sequences (continuous batching slots)", within="[1, inf)")
     check_weight_sync: bool | str = opt("first", CHECK_SYNC_HELP)
     cohost: bool = opt(True, "collocated plans (every component on the same devices, rank by rank): build reward, "
                              "inference and actor inside the rollout's processes, one process per rank taking the "
@@ -439,8 +479,6 @@ class RolloutConfig:
         if self.engine not in ("native", "hf"):
             raise ConfigError(f"{where}.engine must be native | hf, got '{self.engine}'")
         _validate_check_sync(self, where)
-        if self.n < 1 or self.prompts_per_step < 1 or self.max_new_tokens < 1:
-            raise ConfigError(f"{where}.n, prompts_per_step and max_new_tokens must be >= 1")
 
     checks_sync = _checks_sync
 
@@ -448,7 +486,7 @@ class RolloutConfig:
 @dataclass
 class RewardConfig:
     fn: str = opt("auto", "exact_match | math_verify | countdown | pkg.mod:fn | auto (by task)")
-    timeout_s: float = opt(5.0, "seconds per reward call; a call past it scores 0 and is counted")
+    timeout_s: float = opt(5.0, "seconds per reward call; a call past it scores 0 and is counted", within="(0, inf)")
 
 
 @dataclass
@@ -458,54 +496,60 @@ class AlgorithmConfig:
     advantage: str = opt("grpo", "advantage estimator: grpo | dr_grpo | rloo | reinforce_pp (REINFORCE++ with a "
                                  "group baseline: the group-centred score whitened over the step's tokens) | gae "
                                  "(name=ppo: the critic's token-level GAE, whitened over the step's tokens)")
-    gamma: float = opt(1.0, "name=ppo: discount per response token in GAE")
-    lam: float = opt(1.0, "name=ppo: GAE lambda")
-    clip_low: float = opt(0.2, "PPO clip epsilon below 1")
-    clip_high: float = opt(0.28, "PPO clip epsilon above 1 (clip-higher)")
-    dual_clip: float | None = opt(None, "dual-clip constant c (> 1), None: off")
+    gamma: float = opt(1.0, "name=ppo: discount per response token in GAE", within="[0, 1]")
+    lam: float = opt(1.0, "name=ppo: GAE lambda", within="[0, 1]")
+    clip_low: float = opt(0.2, "PPO clip epsilon below 1", within="[0, 1)")
+    clip_high: float = opt(0.28, "PPO clip epsilon above 1 (clip-higher)", within="[0, inf)")
+    dual_clip: float | None = opt(None, "dual-clip constant c (> 1), None: off", within="(1, inf)")
     policy_loss: str = opt("ppo", "ppo (a ratio per token) | gspo (GSPO: one ratio per response, the exp of the mean "
                                   "token log-ratio; pair it with the paper's clip_low=3e-4 clip_high=4e-4 "
                                   "loss_agg=seq-mean-token-mean)")
     loss_agg: str = opt("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean")
-    kl_coef: float = opt(0.0, "KL penalty against the reference (initial) policy, in the loss")
+    kl_coef: float = opt(0.0, "KL penalty against the reference (initial) policy, in the loss", within="[0, inf)")
     kl_estimator: str = opt("k3", "k1 | k2 | k3")
-    entropy_coef: float = opt(0.0, "entropy bonus")
+    entropy_coef: float = opt(0.0, "entropy bonus", within="[0, inf)")
     dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal")
     refill_rounds: int = opt(0, "DAPO dynamic sampling with refill: up to N more rounds of rollout.prompts_per_step "
                                 "prompts while fewer groups with unequal rewards than prompts_per_step were kept; the "
-                                "step trains on at most prompts_per_step groups (0: train on the groups kept)")
+                                "step trains on at most prompts_per_step groups (0: train on the groups kept)",
+                             within="[0, inf)")
     overlong_buffer: int = opt(0, "DAPO's soft overlong punishment: a response longer than rollout.max_new_tokens - "
-                                  "N tokens loses up to overlong_penalty of reward, linearly to the limit (0: off)")
-    overlong_penalty: float = opt(1.0, "the reward a response at the length limit loses (overlong_buffer > 0)")
+                                  "N tokens loses up to overlong_penalty of reward, linearly to the limit (0: off)",
+                               within="[0, inf)")
+    overlong_penalty: float = opt(1.0, "the reward a response at the length limit loses (overlong_buffer > 0)",
+                                  within="[0, inf)")
     overlong_filter: bool = opt(False, "DAPO's overlong filtering: responses cut at rollout.max_new_tokens (no eos) "
                                        "get no gradient")
     old_logprobs: str = opt("auto", "old-policy logprobs of the PPO ratio: recompute (an inference forward pass) | "
                                     "rollout (the engine's behaviour logprobs) | auto (rollout when each sample is "
                                     "trained on once, 1 epoch and 1 mini-batch, so the ratio is 1; else recompute)")
     max_staleness: int = opt(0, "bounded off-policy: the rollout of the next N steps runs while the actor trains, on "
-                                "weights at most N versions old (0: on-policy, rollout and training take turns)")
+                                "weights at most N versions old (0: on-policy, rollout and training take turns)",
+                             within="[0, inf)")
     behaviour_weight_cap: float = opt(2.0, "max_staleness >= 1: cap on the behaviour importance weight "
-                                           "pi_prox / pi_behaviour of each token (truncated importance sampling)")
+                                           "pi_prox / pi_behaviour of each token (truncated importance sampling)",
+                                      within="[1, inf)")
 
 
 @dataclass
 class ActorConfig:
     lr: float = opt(1e-4, "learning rate (measured on the tiny models: 1e-4 raises held-out accuracy, 3e-4 and 5e-4 "
-                          "lower it)")
+                          "lower it)", within="(0, inf)")
     lr_schedule: str = opt("constant", "constant | cosine")
-    warmup_steps: int = opt(0, "linear warm-up steps")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
-    betas: list[float] = opt([0.9, 0.999], "AdamW betas [beta1, beta2]")
-    eps: float = opt(1e-8, "AdamW epsilon (added to the root of the second moment)")
-    grad_clip: float = opt(1.0, "max gradient norm")
-    mini_batches: int = opt(1, "optimizer steps per training step (the batch is split into this many)")
-    epochs: int = opt(1, "passes over the batch per training step")
+    warmup_steps: int = opt(0, "linear warm-up steps", within="[0, inf)")
+    weight_decay: float = opt(0.0, "AdamW weight decay", within="[0, inf)")
+    betas: list[float] = opt([0.9, 0.999], "AdamW betas [beta1, beta2]", within="[0, 1)")
+    eps: float = opt(1e-8, "AdamW epsilon (added to the root of the second moment)", within="(0, inf)")
+    grad_clip: float = opt(1.0, "max gradient norm", within="(0, inf)")
+    mini_batches: int = opt(1, "optimizer steps per training step (the batch is split into this many)",
+                            within="[1, inf)")
+    epochs: int = opt(1, "passes over the batch per training step", within="[1, inf)")
     micro_batch: int = opt(32, "samples per message between stages when pipelined (the streaming granularity); "
-                                "also samples per forward/backward when micro_batch_tokens is 0")
+                                "also samples per forward/backward when micro_batch_tokens is 0", within="[1, inf)")
     micro_batch_tokens: int = opt(8192, "padded tokens per forward/backward: streamed micro-batches are merged "
                                         "until they hold at least this many (or the step's data has all arrived), "
                                         "then cut into equal parts of at most this many (veRL's dynamic batch size); "
-                                        "0: micro_batch samples per part, each message on its own")
+                                        "0: micro_batch samples per part, each message on its own", within="[0, inf)")
     share_prompts: bool = opt(True, "forward each distinct prompt once per pass and every response against its "
                                     "cached keys and values (the n responses of a group share their prompt): fewer "
                                     "tokens through the model in training and logprob passes, the same logprobs to "
@@ -515,32 +559,27 @@ class ActorConfig:
                                  "ends with an error naming the component and the first non-finite tensor) | skip "
                                  "(drop that update, count it in actor/nonfinite_skipped)")
     max_weight_growth: float = opt(2.0, "stop when one training step multiplies the norm of the weights by more than "
-                                        "this (a learning rate far too high wrecks a model without any NaN); 0: off")
+                                        "this (a learning rate far too high wrecks a model without any NaN); 0: off",
+                                   within="[0, inf)")
 
     def validate(self, where: str) -> None:
-        if self.micro_batch < 1 or self.micro_batch_tokens < 0:
-            raise ConfigError(f"{where}.micro_batch must be >= 1 and {where}.micro_batch_tokens >= 0, got "
-                              f"{self.micro_batch} and {self.micro_batch_tokens}")
         if self.backend not in ("torch", "fsdp2"):
             raise ConfigError(f"{where}.backend must be torch | fsdp2, got '{self.backend}'")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas) or self.eps <= 0:
-            raise ConfigError(f"{where}.betas must be two numbers in [0, 1) and {where}.eps > 0, got {self.betas} "
-                              f"and {self.eps}")
+        if len(self.betas) != 2:
+            raise ConfigError(f"{where}.betas must be two numbers [beta1, beta2], got {self.betas}")
         _validate_nonfinite(self, where)
 
 
 @dataclass
 class CriticConfig:
-    lr: float = opt(1e-5, "algorithm.name=ppo: the critic's AdamW learning rate (betas, eps: actor's)")
-    weight_decay: float = opt(0.0, "the critic's AdamW weight decay")
+    lr: float = opt(1e-5, "algorithm.name=ppo: the critic's AdamW learning rate (betas, eps: actor's)",
+                    within="(0, inf)")
+    weight_decay: float = opt(0.0, "the critic's AdamW weight decay", within="[0, inf)")
     value_clip: float = opt(0.5, "PPO value clipping: a new value counts at most this far from the one the "
-                                 "advantages were made of")
-    grad_clip: float = opt(1.0, "the critic's max gradient norm")
-    warmup_steps: int = opt(0, "steps at the start in which only the critic learns (the actor's weights stay)")
-
-    def validate(self, where: str) -> None:
-        if self.lr <= 0 or self.value_clip <= 0 or self.grad_clip <= 0 or self.warmup_steps < 0:
-            raise ConfigError(f"{where}: need lr, value_clip, grad_clip > 0 and warmup_steps >= 0")
+                                 "advantages were made of", within="(0, inf)")
+    grad_clip: float = opt(1.0, "the critic's max gradient norm", within="(0, inf)")
+    warmup_steps: int = opt(0, "steps at the start in which only the critic learns (the actor's weights stay)",
+                            within="[0, inf)")
 
 
 @dataclass
@@ -548,39 +587,32 @@ class AgentConfig:
     tools: dict = opt({}, "multi-turn rollouts with tools: tag name -> calc | python | pkg.mod:fn, e.g. {calc: calc} "
                           "(the model writes <calc>12*34</calc>, the answer comes back as <result>408</result>); "
                           "empty: one completion per prompt")
-    max_turns: int = opt(2, "tool calls answered per response; later calls get no answer")
-    timeout_s: float = opt(5.0, "seconds per python or user tool call; past it the model gets an error string")
-    memory_mb: int = opt(256, "address space of a python tool call, in MB")
+    max_turns: int = opt(2, "tool calls answered per response; later calls get no answer", within="[1, inf)")
+    timeout_s: float = opt(5.0, "seconds per python or user tool call; past it the model gets an error string",
+                           within="(0, inf)")
+    memory_mb: int = opt(256, "address space of a python tool call, in MB", within="[16, inf)")
 
     def validate(self, where: str) -> None:
         if not isinstance(self.tools, dict):
             raise ConfigError(f"{where}.tools must map tag names to tools, e.g. {{calc: calc}}, got {self.tools!r}")
-        if self.max_turns < 1 or self.timeout_s <= 0 or self.memory_mb < 16:
-            raise ConfigError(f"{where}: need max_turns >= 1, timeout_s > 0 and memory_mb >= 16")
 
 
 @dataclass
 class SFTConfig:
-    steps: int = opt(0, "supervised warm-start steps on the task's reference answers before RL (0: none)")
-    batch_size: int = opt(64, "SFT batch size")
-    lr: float = opt(3e-3, "SFT learning rate (cosine decay over sft.steps)")
+    steps: int = opt(0, "supervised warm-start steps on the task's reference answers before RL (0: none)",
+                     within="[0, inf)")
+    batch_size: int = opt(64, "SFT batch size", within="[1, inf)")
+    lr: float = opt(3e-3, "SFT learning rate (cosine decay over sft.steps)", within="(0, inf)")
     target_accuracy: float = opt(0.0, "stop the warm start early once its greedy exact match on sft.val_size "
                                       "held-back training problems (checked every sft.val_every steps) reaches "
-                                      "this; 0: run all sft.steps")
+                                      "this; 0: run all sft.steps", within="[0, 1]")
     val_size: int = opt(256, "sft.target_accuracy: training-split problems held back from the warm start to "
-                             "measure it on (never trained on by the warm start nor, for synthetic tasks, by RL)")
-    val_every: int = opt(25, "sft.target_accuracy: steps between two measurements on the held-back problems")
+                             "measure it on (never trained on by the warm start nor, for synthetic tasks, by RL)",
+                        within="[1, inf)")
+    val_every: int = opt(25, "sft.target_accuracy: steps between two measurements on the held-back problems",
+                         within="[1, inf)")
     tool_fraction: float = opt(1.0, "with a calc tool (agent.tools): the share of the warm start's references that "
-                                    "call it; the others answer directly (a seeded draw per problem)")
-
-    def validate(self, where: str) -> None:
-        if not 0.0 <= self.tool_fraction <= 1.0:
-            raise ConfigError(f"{where}.tool_fraction must be in [0, 1], got {self.tool_fraction}")
-        if not 0.0 <= self.target_accuracy <= 1.0:
-            raise ConfigError(f"{where}.target_accuracy must be in [0, 1], got {self.target_accuracy}")
-        if self.val_size < 1 or self.val_every < 1:
-            raise ConfigError(f"{where}.val_size and {where}.val_every must be >= 1, got {self.val_size} and "
-                              f"{self.val_every}")
+                                    "call it; the others answer directly (a seeded draw per problem)", within="[0, 1]")
 
 
 def refill_reward_ranks(cfg, ranks: int) -> None:
@@ -642,15 +674,13 @@ class ReasoningConfig:
                 alg.advantage == "gae" and alg.name != "ppo"):
             raise ConfigError(f"algorithm.advantage must be grpo | dr_grpo | rloo | reinforce_pp (gae with "
                               f"name=ppo) for the reasoning flow, got '{alg.advantage}'")
-        if not (0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1):
-            raise ConfigError(f"algorithm.gamma and lam must lie in [0, 1], got {alg.gamma} and {alg.lam}")
         if alg.name == "ppo" and self.cluster.placement != "auto":
             self.cluster.placement = with_critic(self.cluster.placement)
         if self.agent.tools and self.cluster.placement != "auto":  # beside the reward, unless the placement names it
             self.cluster.placement = place_beside(self.cluster.placement, "tool", "reward")
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be >= 2 for grpo (advantages are relative within a group)")
-        if not 0 <= self.algorithm.overlong_buffer <= self.rollout.max_new_tokens:
+        if self.algorithm.overlong_buffer > self.rollout.max_new_tokens:
             raise ConfigError(f"algorithm.overlong_buffer must be in [0, rollout.max_new_tokens = "
                               f"{self.rollout.max_new_tokens}], got {self.algorithm.overlong_buffer}")
         if self.algorithm.policy_loss not in ("ppo", "gspo"):
@@ -658,11 +688,6 @@ class ReasoningConfig:
         if self.algorithm.old_logprobs not in ("auto", "recompute", "rollout"):
             raise ConfigError(f"algorithm.old_logprobs must be auto | recompute | rollout, "
                               f"got '{self.algorithm.old_logprobs}'")
-        alg = self.algorithm
-        if not isinstance(alg.max_staleness, int) or alg.max_staleness < 0:
-            raise ConfigError(f"algorithm.max_staleness must be an integer >= 0, got {alg.max_staleness!r}")
-        if not isinstance(alg.refill_rounds, int) or alg.refill_rounds < 0:
-            raise ConfigError(f"algorithm.refill_rounds must be an integer >= 0, got {alg.refill_rounds!r}")
         if alg.refill_rounds and not alg.dynamic_sampling:
             raise ConfigError("algorithm.refill_rounds refills the groups that dynamic sampling drops: set "
                               "algorithm.dynamic_sampling=true, or refill_rounds=0")
@@ -672,8 +697,6 @@ class ReasoningConfig:
         if self.agent.tools and self.rollout.engine != "native":
             raise ConfigError("agent.tools: multi-turn rollouts with tools need rollout.engine=native, "
                               f"got '{self.rollout.engine}'")
-        if alg.behaviour_weight_cap < 1.0:
-            raise ConfigError(f"algorithm.behaviour_weight_cap must be >= 1, got {alg.behaviour_weight_cap}")
         if alg.max_staleness and alg.old_logprobs == "recompute":
             raise ConfigError("algorithm.old_logprobs=recompute needs on-policy rollouts (max_staleness=0): with "
                               f"max_staleness={alg.max_staleness} the actor computes the proximal logprobs itself "
@@ -698,15 +721,13 @@ class ReasoningConfig:
 @dataclass
 class EmbodiedRunConfig(RunConfig):
     name: str = opt("ppo", "run name: outputs go to <dir>/<name>/")
-    steps: int = opt(50, "training iterations: one rollout of rollout.steps per env, then one update")
-    stop_return: float | None = opt(None, "stop early once the mean return of the last stop_window episodes reaches this")
-    stop_window: int = opt(20, "episodes averaged for stop_return (and for the progress bar)")
-    trace_every: int = opt(50, "per-stage env/policy spans on the first two iterations and every N-th (0: first two)")
-
-    def validate(self, where: str) -> None:
-        super().validate(where)
-        if self.stop_window < 1 or self.trace_every < 0:
-            raise ConfigError(f"{where}.stop_window must be >= 1 and {where}.trace_every >= 0")
+    steps: int = opt(50, "training iterations: one rollout of rollout.steps per env, then one update",
+                     within="[0, inf)")
+    stop_return: float | None = opt(None, "stop early once the mean return of the last stop_window episodes reaches this",
+                                    within="(-inf, inf)")
+    stop_window: int = opt(20, "episodes averaged for stop_return (and for the progress bar)", within="[1, inf)")
+    trace_every: int = opt(50, "per-stage env/policy spans on the first two iterations and every N-th (0: first two)",
+                           within="[0, inf)")
 
 
 @dataclass
@@ -727,31 +748,29 @@ class EmbodiedClusterConfig(ClusterConfig):
 class EnvConfig:
     id: str = opt("CartPole-v1", "gymnasium env id (classic control, MuJoCo, or 'module:Env-v0'), or ManiSkill3's "
                                  "PickCube-v1 | PushCube-v1 | StackCube-v1 (several, comma-separated, with instruct)")
-    num_envs: int = opt(8, "envs in total, split evenly over the env workers")
+    num_envs: int = opt(8, "envs in total, split evenly over the env workers", within="[1, inf)")
     pipeline_stages: int = opt(1, "env groups per env worker: the policy infers for one while the simulator steps "
-                               "another (1: lockstep)")
-    seed_groups: int = opt(1, "consecutive envs that share a reset seed (the groups of embodied GRPO)")
+                               "another (1: lockstep)", within="[1, inf)")
+    seed_groups: int = opt(1, "consecutive envs that share a reset seed (the groups of embodied GRPO)",
+                           within="[1, inf)")
     norm_obs: bool = opt(False, "normalize observations by running mean/std (saved in checkpoints)")
     norm_reward: bool = opt(False, "scale rewards by the running std of discounted returns (saved in checkpoints)")
-    clip_obs: float = opt(10.0, "clip normalized observations to [-c, c]")
-    clip_reward: float = opt(10.0, "clip scaled rewards to [-c, c]")
-    chunk: int = opt(1, "actions per policy call (action chunks): one learner step of up to `chunk` env steps")
+    clip_obs: float = opt(10.0, "clip normalized observations to [-c, c]", within="(0, inf)")
+    clip_reward: float = opt(10.0, "clip scaled rewards to [-c, c]", within="(0, inf)")
+    chunk: int = opt(1, "actions per policy call (action chunks): one learner step of up to `chunk` env steps",
+                     within="[1, inf)")
     pixels: bool = opt(False, "observe rendered frames [3, image_size, image_size] uint8 (with policy.kind=cnn)")
-    image_size: int = opt(64, "side of the pixel observations")
-    max_episode_steps: int | None = opt(None, "override the env's time limit (None: the registered one)")
+    image_size: int = opt(64, "side of the pixel observations", within="[1, inf)")
+    max_episode_steps: int | None = opt(None, "override the env's time limit (None: the registered one)",
+                                        within="[1, inf)")
     instruct: bool = opt(False, "ManiSkill3: observations carry the task's instruction (word ids, then the state "
                                 "padded to 48) for policy.kind=instruct; needed when env.id lists several tasks "
                                 "('PickCube-v1,PushCube-v1,StackCube-v1': env i runs task i % 3)")
     kwargs: dict = opt({}, "extra keyword arguments for gymnasium.make, e.g. {ctrl_cost_weight: 0.1}")
     step_timeout_s: float = opt(60.0, "an env step or reset that has not returned after this many seconds stops the "
-                                      "run, naming the env worker (0: no limit)")
+                                      "run, naming the env worker (0: no limit)", within="[0, inf)")
 
     def validate(self, where: str) -> None:
-        for name in ("num_envs", "pipeline_stages", "seed_groups", "chunk", "image_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
-        if self.step_timeout_s < 0:
-            raise ConfigError(f"{where}.step_timeout_s must be >= 0, got {self.step_timeout_s}")
         if self.num_envs % self.seed_groups:
             raise ConfigError(f"{where}.seed_groups={self.seed_groups} must divide {where}.num_envs={self.num_envs}")
 
@@ -760,21 +779,19 @@ class EnvConfig:
 class PolicyConfig:
     kind: str = opt("mlp", "mlp (state obs) | cnn (pixel obs, Nature-CNN encoder) | instruct (env.instruct obs: the "
                            "instruction's words embedded and averaged, beside the state, into the MLPs)")
-    hidden: list[int] = opt([64, 64], "MLP hidden sizes (separate actor and critic networks)")
+    hidden: list[int] = opt([64, 64], "MLP hidden sizes (separate actor and critic networks)", within="[1, inf)")
     activation: str = opt("tanh", "MLP activation: tanh | relu | gelu | elu")
-    log_std_init: float = opt(0.0, "initial log std of Gaussian actions")
+    log_std_init: float = opt(0.0, "initial log std of Gaussian actions", within="(-inf, inf)")
     ortho_init: bool = opt(True, "orthogonal init (False: torch's default init, as SB3's ortho_init=False)")
-    features_dim: int = opt(512, "CNN encoder output width")
+    features_dim: int = opt(512, "CNN encoder output width", within="[1, inf)")
     init: str = opt("", "start from this checkpoint's policy (a directory holding policy.safetensors: an embodied "
                         "run's checkpoint, or behaviour cloning's `m2flow sft CONFIG OUT --demos DIR`); empty: random "
                         "init")
     init_std_scale: float = opt(1.0, "with policy.init: multiply the loaded Gaussian policy's std by this before RL "
                                      "starts (a cloned policy's std fits the demonstrations' residuals; sampling at it "
-                                     "can fail where the mean succeeds)")
+                                     "can fail where the mean succeeds)", within="(0, inf)")
 
     def validate(self, where: str) -> None:
-        if not self.init_std_scale > 0:
-            raise ConfigError(f"{where}.init_std_scale must be > 0, got {self.init_std_scale}")
         if self.kind not in ("mlp", "cnn", "instruct"):
             raise ConfigError(f"{where}.kind must be mlp | cnn | instruct, got '{self.kind}'")
         if self.activation not in ("tanh", "relu", "gelu", "elu"):
@@ -783,7 +800,7 @@ class PolicyConfig:
 
 @dataclass
 class EmbodiedRolloutConfig:
-    steps: int = opt(128, "policy steps per env per iteration (SB3's n_steps)")
+    steps: int = opt(128, "policy steps per env per iteration (SB3's n_steps)", within="[1, inf)")
     deterministic: bool = opt(False, "act with the distribution's mode instead of sampling (for tests)")
     cohost: bool = opt(True, "lockstep (env.pipeline_stages 1) with env and policy workers on the same devices: run "
                              "each policy worker inside its env worker's process, so a step's hand-over is a "
@@ -791,8 +808,6 @@ class EmbodiedRolloutConfig:
     check_weight_sync: bool | str = opt("first", CHECK_SYNC_HELP)
 
     def validate(self, where: str) -> None:
-        if self.steps < 1:
-            raise ConfigError(f"{where}.steps must be >= 1, got {self.steps}")
         _validate_check_sync(self, where)
 
     checks_sync = _checks_sync
@@ -802,15 +817,16 @@ class EmbodiedRolloutConfig:
 class EmbodiedAlgorithmConfig:
     name: str = opt("ppo", "ppo (GAE) | grpo (group-relative outcome advantages over envs sharing a reset seed) | "
                            "sac (off-policy soft actor-critic with a replay buffer: the sac section)")
-    gamma: float = opt(0.99, "discount")
-    lam: float = opt(0.95, "GAE lambda")
-    clip: float = opt(0.2, "PPO clip range")
+    gamma: float = opt(0.99, "discount", within="[0, 1]")
+    lam: float = opt(0.95, "GAE lambda", within="[0, 1]")
+    clip: float = opt(0.2, "PPO clip range", within="(0, 1)")
     anneal_clip: bool = opt(False, "decay the clip range linearly to 0 over the run")
-    clip_vf: float | None = opt(None, "value clip range around the rollout values (None: off)")
-    vf_coef: float = opt(0.5, "weight of the value MSE, mean((V - R)^2), in the loss")
-    ent_coef: float = opt(0.0, "entropy bonus")
+    clip_vf: float | None = opt(None, "value clip range around the rollout values (None: off)", within="(0, inf)")
+    vf_coef: float = opt(0.5, "weight of the value MSE, mean((V - R)^2), in the loss", within="[0, inf)")
+    ent_coef: float = opt(0.0, "entropy bonus", within="[0, inf)")
     norm_adv: bool = opt(True, "normalize advantages per minibatch")
-    target_kl: float | None = opt(None, "stop the epochs once a minibatch's approx KL exceeds 1.5 x this (None: off)")
+    target_kl: float | None = opt(None, "stop the epochs once a minibatch's approx KL exceeds 1.5 x this (None: off)",
+                                  within="(0, inf)")
     score: str = opt("auto", "grpo outcome per env: success (success_once) | return | auto (success if reported)")
 
     def validate(self, where: str) -> None:
@@ -818,75 +834,71 @@ class EmbodiedAlgorithmConfig:
             raise ConfigError(f"{where}.name must be ppo | grpo | sac, got '{self.name}'")
         if self.score not in ("auto", "success", "return"):
             raise ConfigError(f"{where}.score must be auto | success | return, got '{self.score}'")
-        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1 and 0 < self.clip < 1):
-            raise ConfigError(f"{where}: need 0 <= gamma, lam <= 1 and 0 < clip < 1")
 
 
 @dataclass
 class EmbodiedActorConfig:
-    lr: float = opt(3e-4, "Adam learning rate")
+    lr: float = opt(3e-4, "Adam learning rate", within="(0, inf)")
     anneal_lr: bool = opt(False, "decay the learning rate linearly to 0 over the run")
-    adam_eps: float = opt(1e-5, "Adam epsilon")
-    epochs: int = opt(10, "passes over each rollout")
-    minibatch_size: int = opt(64, "samples per gradient step (SB3's batch_size)")
-    grad_clip: float = opt(0.5, "max gradient norm")
+    adam_eps: float = opt(1e-5, "Adam epsilon", within="(0, inf)")
+    epochs: int = opt(10, "passes over each rollout", within="[1, inf)")
+    minibatch_size: int = opt(64, "samples per gradient step (SB3's batch_size)", within="[1, inf)")
+    grad_clip: float = opt(0.5, "max gradient norm", within="(0, inf)")
     compile: bool = opt(False, "torch.compile the minibatch loss (forward + backward): faster small-MLP updates "
                                   "after ~10 s of compiling (inductor needs a C++ compiler)")
     nonfinite: str = opt("stop", "a non-finite (NaN/inf) loss or gradient: stop (the update is not applied; the run "
                                  "ends with an error naming the component and the first non-finite tensor) | skip "
                                  "(drop that update, count it in actor/nonfinite_skipped)")
     max_weight_growth: float = opt(2.0, "stop when one training step multiplies the norm of the weights by more than "
-                                        "this (a learning rate far too high wrecks a model without any NaN); 0: off")
+                                        "this (a learning rate far too high wrecks a model without any NaN); 0: off",
+                                   within="[0, inf)")
     critic_warmup: int = opt(0, "the first N iterations train the value function only, the policy held as it is "
                                 "(its std too where algorithm.ent_coef is 0): a cloned policy's critic learns the RL "
-                                "returns before its advantages steer the policy")
+                                "returns before its advantages steer the policy", within="[0, inf)")
     bc_coef: float = opt(0.0, "a behaviour-cloning term beside the RL loss, as DAPG: bc_coef x the negative "
                               "log-likelihood of a minibatch of demonstrated actions (actor.bc_demos) in every "
-                              "update; 0: off")
-    bc_decay: float = opt(1.0, "bc_coef is multiplied by this after every iteration (DAPG decays it: RL takes over)")
+                              "update; 0: off", within="[0, inf)")
+    bc_decay: float = opt(1.0, "bc_coef is multiplied by this after every iteration (DAPG decays it: RL takes over)",
+                          within="(0, 1]")
     bc_demos: str = opt("", "the demonstrations of actor.bc_coef (`m2flow demos` directories; comma-separated, one "
                             "per task of a multi-task env.id)")
 
     def validate(self, where: str) -> None:
-        if self.epochs < 1 or self.minibatch_size < 1 or self.lr <= 0:
-            raise ConfigError(f"{where}: epochs and minibatch_size must be >= 1 and lr > 0")
-        if self.critic_warmup < 0:
-            raise ConfigError(f"{where}.critic_warmup must be >= 0, got {self.critic_warmup}")
-        if self.bc_coef < 0 or not 0 < self.bc_decay <= 1:
-            raise ConfigError(f"{where}.bc_coef must be >= 0 and {where}.bc_decay in (0, 1], got {self.bc_coef} and "
-                              f"{self.bc_decay}")
         if self.bc_coef > 0 and not self.bc_demos:
             raise ConfigError(f"{where}.bc_coef > 0 needs {where}.bc_demos (a `m2flow demos` directory)")
         _validate_nonfinite(self, where)
 
 
 def _validate_nonfinite(actor, where: str) -> None:
-    if actor.nonfinite not in ("stop", "skip") or actor.max_weight_growth < 0:
-        raise ConfigError(f"{where}.nonfinite must be stop | skip and {where}.max_weight_growth >= 0, got "
-                          f"'{actor.nonfinite}' and {actor.max_weight_growth}")
+    if actor.nonfinite not in ("stop", "skip"):
+        raise ConfigError(f"{where}.nonfinite must be stop | skip, got '{actor.nonfinite}'")
 
 
 @dataclass
 class SACConfig:
     """Stable-Baselines3's SAC options, with its names and defaults; the learning rate is actor.lr (the actor's,
     the critics' and the temperature's), the discount algorithm.gamma, the networks' sizes policy.hidden."""
-    buffer_size: int = opt(1_000_000, "replay buffer capacity in transitions (checked against free memory at start)")
+    buffer_size: int = opt(1_000_000, "replay buffer capacity in transitions (checked against free memory at start)",
+                           within="[1, inf)")
     learning_starts: int = opt(100, "env steps (all envs together) of uniform random actions; the updates start once "
-                                    "more were collected (as SB3's)")
-    batch_size: int = opt(256, "transitions per gradient step")
-    logp_eps: float = opt(0.0, "eps in the actor's log-density log(1 - tanh(u)^2 + eps): 0 exact, 1e-6 SB3's")
-    tau: float = opt(0.005, "Polyak coefficient of the target critics' update")
-    train_freq: int = opt(1, "env steps per env between updates: the rollout of one iteration")
-    gradient_steps: int = opt(1, "gradient steps per iteration (-1: as many as env steps collected, all envs)")
+                                    "more were collected (as SB3's)", within="[0, inf)")
+    batch_size: int = opt(256, "transitions per gradient step", within="[1, inf)")
+    logp_eps: float = opt(0.0, "eps in the actor's log-density log(1 - tanh(u)^2 + eps): 0 exact, 1e-6 SB3's",
+                          within="[0, 1)")
+    tau: float = opt(0.005, "Polyak coefficient of the target critics' update", within="(0, 1]")
+    train_freq: int = opt(1, "env steps per env between updates: the rollout of one iteration", within="[1, inf)")
+    gradient_steps: int = opt(1, "gradient steps per iteration (-1: as many as env steps collected, all envs)",
+                              within="[-1, inf)")
     utd: float | None = opt(None, "update-to-data ratio: gradient steps per env step collected (all envs), e.g. 0.5, "
-                                  "or 20 for RLPD's; set, it replaces gradient_steps")
+                                  "or 20 for RLPD's; set, it replaces gradient_steps", within="(0, inf)")
     ent_coef: float | str = opt("auto", "entropy temperature alpha: a number (fixed), 'auto' (tuned, from 1) or "
-                                        "'auto_X' (tuned, from X)")
-    target_entropy: float | str = opt("auto", "the entropy 'auto' tuning aims at: 'auto' (-action dims) or a number")
-    target_update_interval: int = opt(1, "gradient steps between target-critic updates")
+                                        "'auto_X' (tuned, from X)", within="(0, inf)")
+    target_entropy: float | str = opt("auto", "the entropy 'auto' tuning aims at: 'auto' (-action dims) or a number",
+                                      within="(-inf, inf)")
+    target_update_interval: int = opt(1, "gradient steps between target-critic updates", within="[1, inf)")
     max_policy_lag: int = opt(0, "0: an iteration's updates see its own env steps (SB3's order: collect, then "
                                  "update); 1: the learner updates on the steps before while the envs collect the "
-                                 "next (overlapped when the plan puts them on different devices)")
+                                 "next (overlapped when the plan puts them on different devices)", within="[0, 1]")
     parallel_update: bool = opt(False, "the critics' and the actor's gradient steps run at once, in two threads "
                                        "with half the learner's cores each; the actor's loss then reads the critics "
                                        "before this step's update (as the original SAC implementation does) instead "
@@ -897,18 +909,20 @@ class SACConfig:
                                      "wait on one Python lock; the same numbers")
     demos: str = opt("", "RLPD: `m2flow demos` directories (comma-separated, one per task) whose successful episodes "
                          "fill a second buffer; each minibatch draws demo_fraction of its rows from it")
-    demo_fraction: float = opt(0.5, "with sac.demos: the share of every minibatch drawn from the demonstrations")
-    demo_episodes: int | None = opt(None, "with sac.demos: use the first N episodes of each dataset (None: all)")
+    demo_fraction: float = opt(0.5, "with sac.demos: the share of every minibatch drawn from the demonstrations",
+                               within="(0, 1)")
+    demo_episodes: int | None = opt(None, "with sac.demos: use the first N episodes of each dataset (None: all)",
+                                    within="[1, inf)")
     bc_coef: float = opt(0.0, "with sac.demos: adds bc_coef x the squared error of the actor's deterministic action "
                               "to the demonstrated one, on each minibatch's demonstration rows, to the actor's loss "
-                              "(as DDPG/TD3 + BC); 0: off")
+                              "(as DDPG/TD3 + BC); 0: off", within="[0, inf)")
     critic_layernorm: bool = opt(False, "a LayerNorm after every hidden layer of the critics (RLPD's critic: "
                                         "bounded features keep Q from running away at high update-to-data ratios "
                                         "and with demonstrations)")
-    n_critics: int = opt(2, "critics (SB3's n_critics; RLPD's ensemble has 10)")
+    n_critics: int = opt(2, "critics (SB3's n_critics; RLPD's ensemble has 10)", within="[1, inf)")
     min_qs: int | None = opt(None, "the TD target takes the min over a random subset of this many target critics, "
                                    "drawn every gradient step (RLPD's num_min_qs, REDQ's M; 2 of 10); None: all "
-                                   "of them (SB3)")
+                                   "of them (SB3)", within="[1, inf)")
     actor_q: str = opt("min", "the actor's loss scores its actions with the critics' min (SB3) or mean (REDQ, RLPD)")
     grad: str = opt("auto", "how a gradient step differentiates its losses: manual (SAC's gradients written out for "
                             "ReLU MLPs, with or without the critics' LayerNorm and the BC term: no autograd graph; "
@@ -930,28 +944,14 @@ class SACConfig:
             raise ConfigError(f"{where}.grad must be auto | manual | autograd, got '{self.grad}'")
         if self.actor_q not in ("min", "mean"):
             raise ConfigError(f"{where}.actor_q must be min | mean, got '{self.actor_q}'")
-        if self.n_critics < 1 or (self.min_qs is not None and not 1 <= self.min_qs <= self.n_critics):
-            raise ConfigError(f"{where}: n_critics must be >= 1 and min_qs null or in [1, n_critics], got "
-                              f"{self.n_critics} and {self.min_qs}")
-        if not 0 < self.demo_fraction < 1:
-            raise ConfigError(f"{where}.demo_fraction must be in (0, 1), got {self.demo_fraction}")
-        if self.bc_coef < 0 or (self.bc_coef > 0 and not self.demos):
-            raise ConfigError(f"{where}.bc_coef must be >= 0 and needs {where}.demos (the demonstrations it imitates), "
-                              f"got {self.bc_coef} with demos '{self.demos}'")
-        for name in ("buffer_size", "batch_size", "train_freq", "target_update_interval"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
-        if self.learning_starts < 0 or self.gradient_steps == 0 or self.gradient_steps < -1:
-            raise ConfigError(f"{where}: learning_starts must be >= 0 and gradient_steps >= 1 or -1, got "
-                              f"{self.learning_starts} and {self.gradient_steps}")
-        if self.utd is not None and not self.utd > 0:
-            raise ConfigError(f"{where}.utd must be > 0 (gradient steps per env step), got {self.utd}")
-        if not 0 <= self.logp_eps < 1:
-            raise ConfigError(f"{where}.logp_eps must be in [0, 1) (SB3's is 1e-6), got {self.logp_eps}")
-        if not 0 < self.tau <= 1:
-            raise ConfigError(f"{where}.tau must be in (0, 1], got {self.tau}")
-        if self.max_policy_lag not in (0, 1):
-            raise ConfigError(f"{where}.max_policy_lag must be 0 or 1, got {self.max_policy_lag}")
+        if self.min_qs is not None and self.min_qs > self.n_critics:
+            raise ConfigError(f"{where}.min_qs must be null or in [1, n_critics = {self.n_critics}], got "
+                              f"{self.min_qs}")
+        if self.bc_coef > 0 and not self.demos:
+            raise ConfigError(f"{where}.bc_coef > 0 needs {where}.demos (the demonstrations it imitates), got "
+                              f"{self.bc_coef} with demos '{self.demos}'")
+        if self.gradient_steps == 0:
+            raise ConfigError(f"{where}.gradient_steps must be >= 1 or -1 (as many as env steps collected), got 0")
         self.alpha_init()
         self.target(1)
 
@@ -980,9 +980,9 @@ class SACConfig:
 
 @dataclass
 class EmbodiedEvalConfig:
-    episodes: int = opt(10, "deterministic evaluation episodes on the final checkpoint (0: none)")
-    num_envs: int = opt(8, "envs stepped together during evaluation")
-    seed: int = opt(10_000, "reset seed of the evaluation episodes")
+    episodes: int = opt(10, "deterministic evaluation episodes on the final checkpoint (0: none)", within="[0, inf)")
+    num_envs: int = opt(8, "envs stepped together during evaluation", within="[1, inf)")
+    seed: int = opt(10_000, "reset seed of the evaluation episodes", within="[0, 2147483647]")
 
 
 @dataclass

@@ -159,5 +159,5 @@ def test_refill_rounds_are_checked():
     with pytest.raises(C.ConfigError, match="needs on-policy rollouts"):
         C.load(C.ReasoningConfig, None, ["algorithm.refill_rounds=2", "algorithm.dynamic_sampling=true",
                                          "algorithm.max_staleness=1"])
-    with pytest.raises(C.ConfigError, match="refill_rounds must be an integer >= 0, got -1"):
+    with pytest.raises(C.ConfigError, match="algorithm.refill_rounds must be >= 0, got -1"):
         C.load(C.ReasoningConfig, None, ["algorithm.refill_rounds=-1", "algorithm.dynamic_sampling=true"])

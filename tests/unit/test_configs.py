@@ -70,3 +70,61 @@ def test_a_runs_saved_config_loads_back_as_the_same_flow_with_its_values(preset,
     again = api.load_config(str(tmp_path / "config.yaml"), ["run.resume=true"])
     assert type(again) is type(cfg)
     assert C.to_dict(again) == {**C.to_dict(cfg), "run": {**C.to_dict(cfg)["run"], "resume": True}}
+
+
+def _numeric_fields(cls, where=""):
+    """(dotted name, type hint, declared Interval or None) of every field of `cls` that holds numbers."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint, name = hints[f.name], f"{where}.{f.name}" if where else f.name
+        if dataclasses.is_dataclass(hint):
+            yield from _numeric_fields(hint, name)
+            continue
+        leaves = set(typing.get_args(hint)) | {hint}
+        leaves |= {a for leaf in list(leaves) for a in typing.get_args(leaf)}  # list[int] -> int
+        if leaves & {int, float}:
+            yield name, hint, f.metadata.get("within")
+
+
+def _outside(within, hint):
+    """Values just outside `within` (and NaN and inf for a float field), written as an override would be."""
+    import math
+    import typing
+
+    floats = float in set(typing.get_args(hint)) | {hint}
+    lo = within.lo - (1 if within.lo_closed else 0) if not math.isinf(within.lo) else None
+    hi = within.hi + (1 if within.hi_closed else 0) if not math.isinf(within.hi) else None
+    values = [v for v in (lo, hi) if v is not None]
+    values = [v if floats else int(v) for v in values] + (["nan", "inf", "-inf"] if floats else [])
+    listed = typing.get_origin(hint) is list
+    return [f"[{v}]" if listed else str(v) for v in values]
+
+
+@pytest.mark.parametrize("cls", [C.ReasoningConfig, C.EmbodiedConfig])
+def test_every_numeric_field_declares_its_range_and_a_value_outside_it_is_refused_naming_the_field(cls):
+    fields = list(_numeric_fields(cls))
+    assert len(fields) > 50
+    assert [name for name, _, within in fields if within is None] == []
+    for name, hint, within in fields:
+        default = C.load(cls)
+        for value in _outside(within, hint):
+            with pytest.raises(C.ConfigError, match=f"^{name} must be .*, got "):
+                C.load(cls, None, [f"{name}={value}"])
+        assert C.load(cls) == default  # the defaults lie inside every range
+
+
+def test_a_range_reads_as_a_bound_and_help_config_shows_it():
+    assert [str(C.Interval(t)) for t in ("[0, inf)", "(0, inf)", "(-inf, 1]", "(0, 1]", "(-inf, inf)")] == [
+        ">= 0", "> 0", "<= 1", "in (0, 1]", "a finite number"]
+    assert 0.5 in C.Interval("(0, 1]") and 1 in C.Interval("(0, 1]") and 0 not in C.Interval("(0, 1]")
+    assert float("nan") not in C.Interval("(-inf, inf)") and 10**400 in C.Interval("[0, inf)")
+    rows = {name: text for name, _, text in C.describe(C.ReasoningConfig)}
+    assert rows["rollout.top_p"].startswith("[in (0, 1]] nucleus sampling")
+    assert rows["actor.lr"].startswith("[> 0] learning rate")
+    with pytest.raises(C.ConfigError, match=r"^policy.hidden must be >= 1 \(each of them\), got \[64, 0\]$"):
+        C.load(C.EmbodiedConfig, None, ["policy.hidden=[64, 0]"])
+    with pytest.raises(C.ConfigError, match=r"^actor.lr must be > 0, got nan$"):
+        C.load(C.ReasoningConfig, None, ["actor.lr=nan"])

@@ -95,8 +95,8 @@ def test_bad_lora_settings_get_clear_errors(base_dir):
         add_lora(load_model(base_dir), lora(targets=["nope_proj"]))
     with pytest.raises(ValueError, match="adapters, not a state dict: this receiver cannot load them"):
         load_into(load_model(base_dir), WeightsRef(3, [], None, kind="adapters"))
-    for override, message in [("model.lora.r=-1", "model.lora.r must be an integer >= 0"),
-                              ("model.lora.dropout=1.0", "model.lora.alpha must be > 0 and model.lora.dropout in"),
+    for override, message in [("model.lora.r=-1", "model.lora.r must be >= 0, got -1"),
+                              ("model.lora.dropout=1.0", r"model.lora.dropout must be in \[0, 1\), got 1.0"),
                               ("model.lora.sync=full", "model.lora.sync must be adapters | merged, got 'full'"),
                               ("model.lora.target_modules=[]", "model.lora.target_modules must be a non-empty list")]:
         with pytest.raises(C.ConfigError, match=message):
