@@ -154,6 +154,9 @@ class RunConfig:
     progress: bool = opt(True, "show a progress bar")
 
     def validate(self, where: str) -> None:
+        if not self.name or self.name in (".", "..") or any(c in self.name for c in "/\\\0"):
+            raise ConfigError(f"{where}.name must be a plain name (no '/' or '\\', not '.' or '..'): the run is "
+                              f"written to {where}.dir/{where}.name, got {self.name!r}")
         if self.resume and self.overwrite:
             raise ConfigError(f"{where}.resume and {where}.overwrite are both true: continue the run (resume) or "
                               f"remove it and start over (overwrite), not both")

@@ -126,6 +126,11 @@ CASES = [
      "error: demos: no expert for task 'PickCub-v1'; tasks: PickCube-v1, PushCube-v1, StackCube-v1"),
     ("env module missing", ["train", "ppo_cartpole", "env.id=nosuchmod:Env-v0", *TINY],
      "error: env.id: 'nosuchmod:Env-v0': cannot import module 'nosuchmod'"),
+    ("run name that is a path", ["train", "grpo_arithmetic", "run.name=../../escape"],
+     "config error: run.name must be a plain name (no '/' or '\\', not '.' or '..'): the run is written to "
+     "run.dir/run.name, got '../../escape'"),
+    ("run name that is the run directory itself", ["train", "ppo_cartpole", "run.name=."],
+     "config error: run.name must be a plain name"),
     ("run directory holds a run", ["train", "grpo_arithmetic", "run.dir={tmp}", "run.name=old", *TINY],
      "error: run directory {tmp}/old already holds a run (metrics.jsonl); continue it with run.resume=true"),
     ("run directory not writable", ["train", "grpo_arithmetic", "run.dir=/proc/m2flow", *TINY],
