@@ -490,6 +490,9 @@ class RolloutConfig:
 class RewardConfig:
     fn: str = opt("auto", "exact_match | math_verify | countdown | pkg.mod:fn | auto (by task)")
     timeout_s: float = opt(5.0, "seconds per reward call; a call past it scores 0 and is counted", within="(0, inf)")
+    max_error_fraction: float = opt(0.5, "stop the run when more than this share of a step's samples could not be "
+                                         "scored (the function raised, returned no finite number, or timed out), "
+                                         "naming the first error; 1: never stop", within="[0, 1]")
 
 
 @dataclass

@@ -33,7 +33,7 @@ def preflight(cfg) -> None:
     _model_dir(cfg.model.path)
     if cfg.data.task == "file":
         _data_file(cfg.data)
-    _reward_fn(cfg.reward.fn, cfg.data.task)
+    _reward_fn(cfg)
     if cfg.agent.tools:
         _tools(cfg.agent)
 
@@ -121,12 +121,16 @@ def _data_file(data) -> None:
                           f"data.answer_key='{data.answer_key or keys['answer_key']}')") from None
 
 
-def _reward_fn(spec: str, task: str) -> None:
-    from m2flow.workloads.reasoning.rewards import load_reward_fn
-    from m2flow.workloads.reasoning.tasks import reward_name
+def _reward_fn(cfg) -> None:
+    """The reward function imported, and a user's own called on one training record of the run's data."""
+    from m2flow.workloads.reasoning.rewards import REWARD_FNS, load_reward_fn, try_reward_fn
+    from m2flow.workloads.reasoning.tasks import reward_name, reward_timeout, task_records
 
+    name = reward_name(cfg.reward.fn, cfg.data.task)  # `auto`: the task's own reward
     try:
-        load_reward_fn(reward_name(spec, task))  # `auto`: the task's own reward
+        load_reward_fn(name)
+        if name not in REWARD_FNS:
+            try_reward_fn(name, task_records(cfg.data, cfg.run.seed, "train")[0], reward_timeout(name, cfg.reward.timeout_s))
     except (ValueError, ImportError, AttributeError, TypeError) as e:
         raise C.UserError(f"reward.fn: {e}") from None
 

@@ -20,8 +20,8 @@ GROUP_ESTIMATORS = {"grpo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo", "reinf
 class RewardWorker(Worker):
     def __init__(self, cfg):
         self.cfg = cfg
-        name = reward_name(cfg.reward.fn, cfg.data.task)
-        self.runner = RewardRunner(name, timeout_s=reward_timeout(name, cfg.reward.timeout_s))
+        self.runner_name = reward_name(cfg.reward.fn, cfg.data.task)
+        self.runner = RewardRunner(self.runner_name, timeout_s=reward_timeout(self.runner_name, cfg.reward.timeout_s))
         self.advantage = cfg.algorithm.advantage
         fn = GROUP_ESTIMATORS.get(self.advantage)
         self.advantage_fn = get_advantage_fn(fn) if fn else None
@@ -75,6 +75,7 @@ class RewardWorker(Worker):
             if scored:  # what one round trip brought goes on in one round trip
                 out.put_many(scored, weights=[len(g["rewards"]) for g in scored])
                 count["kept"] += len(scored)
+        self._check_errors(step, len(seen["task"]), count["errors"] + count["timeouts"])
         if target is None or last or count["kept"] >= target:
             finish(out, consumers)
         n = max(len(seen["task"]), 1)
@@ -91,3 +92,12 @@ class RewardWorker(Worker):
             "reward/groups_surplus": count["surplus"],
             "advantage/abs_mean": sum(abs(a) for a in seen["advantage"]) / max(len(seen["advantage"]), 1),
         }
+
+    def _check_errors(self, step: int, scored: int, failed: int) -> None:
+        """A step in which more than reward.max_error_fraction of the samples could not be scored stops the run: a
+        reward function that cannot score would otherwise train on zeros and end as if all were well."""
+        limit = self.cfg.reward.max_error_fraction
+        if scored and failed > limit * scored:
+            raise RuntimeError(f"reward.fn {self.runner_name}: {failed} of the {scored} samples of step {step + 1} "
+                               f"could not be scored (more than reward.max_error_fraction={limit:g}); the first: "
+                               f"{self.runner.first_error or 'timed out (reward.timeout_s)'}")

@@ -1,5 +1,5 @@
-"""No silent garbage (issue 20): a learning rate that wrecks the model, a model directory with NaN weights and a
-non-finite loss each stop the run with a message naming the component and what went wrong, or, with
+"""No silent garbage (issue 20): a learning rate that wrecks the model, a model directory with NaN weights, a reward
+function that cannot score and a non-finite loss each stop the run with a message naming the component and what went wrong, or, with
 `actor.nonfinite=skip`, drop the update and count it. Each ends in bounded time."""
 
 import json
@@ -49,6 +49,18 @@ def test_nan_weights_in_the_model_directory_are_named_by_the_rollout(cluster, tm
     with pytest.raises(WorkerError, match=r"rollout rank 0: generate\(\) raised FloatingPointError: the model produced "
                                           r"non-finite logits \(NaN or inf\) in \d+ of \d+ sequences"):
         reasoning.train(reasoning_cfg(tmp_path, "nan_model", f"model.path={model}"), cluster)
+
+
+@pytest.mark.timeout(300)
+def test_a_reward_function_that_cannot_score_most_samples_stops_the_run(cluster, tmp_path):
+    """Once every sample scored 0, counted in reward/errors, and the run exited 0. This function scores the reference
+    answer (so the check before the run passes) and raises on anything else, as on most of an untrained model's."""
+    with pytest.raises(WorkerError, match=r"reward rank 0: score\(\) raised RuntimeError: reward.fn "
+                                          r"faulty_rewards:fails_unless_right: \d+ of the 32 samples of step 1 could not "
+                                          r"be scored \(more than reward.max_error_fraction=0.5\); the first: raised "
+                                          r"ValueError: cannot parse"):
+        reasoning.train(reasoning_cfg(tmp_path, "reward", "reward.fn=faulty_rewards:fails_unless_right"), cluster)
+    assert not (tmp_path / "reward" / "checkpoints" / "step_1").exists()
 
 
 @pytest.mark.timeout(300)

@@ -165,19 +165,47 @@ def is_batched(fn: Callable) -> bool:
         return False
 
 
+def _number(value: Any) -> float:
+    """A reward as a finite float: a real number (bool, int, float, a 0-d numpy or torch value); anything else, text
+    included, is an error naming what came back."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"returned {value!r} ({type(value).__name__}), not a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"returned {number}, not a finite number")
+    return number
+
+
 def _score_one(fn: Callable, call: Sequence, batched: bool) -> float | list[float]:
     """Per-completion call (response, answer, ...) -> a float; batched call (prompts, completions, answers, {column:
     values}) -> floats. `batched` is is_batched(fn), decided once per function, not per call."""
     if batched:
         prompts, completions, answers, columns = call
-        values = [float(v) for v in fn(prompts=list(prompts), completions=list(completions), answers=list(answers),
-                                       **columns)]
-    else:
-        values = [float(fn(*call))]
-    bad = [v for v in values if not math.isfinite(v)]
-    if bad:
-        raise ValueError(f"reward is not finite: {bad[0]}")
-    return values if batched else values[0]
+        got = fn(prompts=list(prompts), completions=list(completions), answers=list(answers), **columns)
+        if isinstance(got, (str, bytes)) or not hasattr(got, "__iter__"):
+            raise TypeError(f"returned {got!r} ({type(got).__name__}), not a list of rewards")
+        return [_number(v) for v in got]
+    return _number(fn(*call))
+
+
+def try_reward_fn(spec: str, record: dict, timeout_s: float | None) -> None:
+    """Score one sample as a run would (a response equal to the record's answer), under the run's timeout: raise
+    ValueError, one line, if the function raises, returns anything but a finite number (or a list of them, batched),
+    or does not return in time. Before a run, so that a function that cannot score fails in a second."""
+    response, answer, columns = str(record["answer"]), record["answer"], record.get("columns", {})
+    with RewardRunner(spec, timeout_s=timeout_s, max_workers=1) as runner:
+        runner.quiet = True
+        call = (f"fn(prompts=[...], completions=[{response!r}], answers=[{answer!r}]"
+                f"{''.join(f', {k}=[...]' for k in columns)})" if runner.batched else f"fn({response!r}, {answer!r})")
+        where = f"(called as {call} on a record of the run's data)"
+        try:
+            _, counts = runner.score_texts([record.get("prompt", "")], [response], [answer], [columns])
+        except ValueError as e:  # a batched function's count of rewards
+            raise ValueError(f"{e} {where}") from None
+    if counts["timeouts"]:
+        raise ValueError(f"reward function {spec!r} did not return within reward.timeout_s={timeout_s:g}s {where}")
+    if counts["errors"]:
+        raise ValueError(f"reward function {spec!r} {runner.first_error} {where}")
 
 
 class RewardRunner:
@@ -197,7 +225,8 @@ class RewardRunner:
         self.max_workers = max(1, max_workers)
         self.startup_timeout_s = 120.0
         self._workers: list[_Worker] = []
-        self._logged_error = False
+        self.first_error: str | None = None  # the first failed call's error, one line ("raised TypeError: ...")
+        self.quiet = False  # True: a failed call is not logged
         if timeout_s is not None:
             try:
                 self._fn_bytes = pickle.dumps(self.fn)
@@ -301,9 +330,11 @@ class RewardRunner:
 
     def _count_error(self, counts: dict[str, int], tb: str) -> None:
         counts["errors"] += 1
-        if not self._logged_error:
-            self._logged_error = True
-            logger.warning("reward function %r failed (scored 0; later failures are only counted):\n%s", self.fn, tb)
+        if self.first_error is None:
+            self.first_error = _one_line(tb)
+            if not self.quiet:
+                logger.warning("reward function %r failed (scored 0; later failures are only counted):\n%s", self.fn,
+                               tb)
 
     def close(self) -> None:
         for w in self._workers:
@@ -321,6 +352,16 @@ class RewardRunner:
             self.close()
         except Exception:
             pass
+
+
+def _one_line(tb: str) -> str:
+    """A traceback's last line as what the call did: 'returned 'high' (str), not a number' for m2flow's own checks of
+    the value, 'raised TypeError: ...' for the function's own exception; a worker's death as it is."""
+    last = (tb.strip().splitlines() or ["?"])[-1]
+    kind, _, message = last.partition(": ")
+    if message.startswith("returned "):
+        return message
+    return f"raised {last}" if kind.replace(".", "").replace("_", "").isalnum() else last
 
 
 def import_path() -> str:
