@@ -16,6 +16,7 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 def preflight(cfg) -> None:
     """Raise UserError for the first problem found in `cfg` (a ReasoningConfig or EmbodiedConfig)."""
+    _cluster_address(cfg.cluster.address)
     _placement(cfg)
     if isinstance(cfg, C.EmbodiedConfig):
         _env_id(cfg.env.id)
@@ -66,6 +67,38 @@ def _local_gpus() -> int:
         return torch.cuda.device_count()
     except Exception:  # noqa: BLE001 - no usable CUDA: a CPU machine
         return 0
+
+
+ADDRESS_TIMEOUT_S = 10.0
+
+
+def _cluster_address(address: str | None) -> None:
+    """A cluster to join answers at its address: Ray itself retries an address where nothing listens for minutes."""
+    import socket
+
+    if not address:
+        return
+    given = address
+    if address == "auto":
+        from ray._private.services import get_ray_address_from_environment
+
+        try:
+            address = get_ray_address_from_environment("auto", None)
+        except ConnectionError:
+            raise C.UserError("cluster.address=auto: no Ray cluster runs on this machine (none in RAY_ADDRESS or "
+                              "/tmp/ray): start one with `ray start --head`, or leave cluster.address empty for a "
+                              "local one") from None
+    host, colon, port = address.removeprefix("ray://").rpartition(":")
+    if not colon or not host or not port.isdigit():
+        raise C.UserError(f"cluster.address must be auto, HOST:PORT (a head's GCS, e.g. 10.0.0.5:6379) or "
+                          f"ray://HOST:PORT (a head's client server), got {given!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=ADDRESS_TIMEOUT_S).close()
+    except OSError as e:
+        why = f"no answer within {ADDRESS_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else e.strerror or str(e)
+        start = f"--ray-client-server-port={port}" if address.startswith("ray://") else f"--port={port}"
+        raise C.UserError(f"cluster.address: nothing answers at {address} ({why}): start the cluster's head there "
+                          f"(`ray start --head {start}`), or leave cluster.address empty to start a local one") from None
 
 
 def _placement(cfg) -> None:

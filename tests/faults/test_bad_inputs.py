@@ -49,6 +49,15 @@ CASES = [
     ("no envs", ["train", "ppo_cartpole", "env.num_envs=0"], "config error: env.num_envs must be >= 1, got 0"),
     ("negative env timeout", ["train", "ppo_cartpole", "env.step_timeout_s=-1"], "config error: env.step_timeout_s "
                                                                                  "must be >= 0, got -1"),
+    ("cluster address where nothing listens", ["train", "grpo_arithmetic", "cluster.address=127.0.0.1:1"],
+     "error: cluster.address: nothing answers at 127.0.0.1:1 (Connection refused): start the cluster's head there "
+     "(`ray start --head --port=1`), or leave cluster.address empty to start a local one"),
+    ("cluster address of a client server where nothing listens", ["train", "ppo_cartpole",
+                                                                  "cluster.address=ray://localhost:1"],
+     "error: cluster.address: nothing answers at ray://localhost:1 ("),
+    ("cluster address without a port", ["train", "grpo_arithmetic", "cluster.address=head-node"],
+     "error: cluster.address must be auto, HOST:PORT (a head's GCS, e.g. 10.0.0.5:6379) or ray://HOST:PORT (a "
+     "head's client server), got 'head-node'"),
     ("placement syntax", ["train", "grpo_arithmetic", "cluster.placement=rollout: 0-; actor: 1", *TINY],
      "error: cluster.placement: placement 'rollout: 0-; actor: 1': bad devices '0-'"),
     ("placement device missing", ["train", "grpo_arithmetic", "cluster.placement=rollout: 0; reward,inference,actor: 5",
