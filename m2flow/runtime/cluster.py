@@ -81,6 +81,20 @@ def check_cpu_devices(cpu_devices: Any, where: str) -> None:
                          f"cores, got {cpu_devices!r}")
 
 
+class _DropTokenNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+def _quiet_token_notice() -> None:
+    """A local instance m2flow starts keeps Ray's default, token authentication, without Ray's notice of it on every
+    run ("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out"), which
+    concerns no m2flow user; Ray's other messages, its warning that authentication is off included, still show."""
+    notices = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DropTokenNotice) for f in notices.filters):
+        notices.addFilter(_DropTokenNotice())
+
+
 class Cluster:
     """Start a local Ray instance (or join `address`, or use the one already initialized) and list its devices.
 
@@ -107,6 +121,7 @@ class Cluster:
             args = dict(address=address) if address else dict(address="local", num_cpus=num_cpus)
             if not address:  # Ray starts workers at nice 15: beside any other busy process they would barely run
                 os.environ.setdefault("RAY_worker_niceness", "0")
+                _quiet_token_notice()
             try:
                 ray.init(include_dashboard=False, logging_level=logging.WARNING, **args)
             except Exception as e:  # Ray gives a local node 30 s to start; an overloaded machine may need a retry

@@ -67,3 +67,25 @@ def test_on_a_gpu_offload_moves_state_to_pinned_host_memory_and_back_bit_for_bit
     onload_state({"model": model}, "gpu", "unused")
     for k, v in model.state_dict().items():
         assert v.device.type == "cuda" and torch.equal(v, before[k])
+
+
+def test_a_local_instance_keeps_token_authentication_without_rays_notice_of_it(caplog):
+    """Every run printed Ray's 'Token authentication is enabled for this Ray cluster' notice; its warning that
+    authentication is off is kept (Ray's own functions log both, through Ray's logger)."""
+    import logging
+
+    from ray._private.authentication import authentication_token_setup as ray_auth
+
+    from m2flow.runtime.cluster import _quiet_token_notice
+
+    with caplog.at_level(logging.WARNING, logger=ray_auth.logger.name):
+        ray_auth._warn_token_auth_enabled()
+        assert "Token authentication is enabled for this Ray cluster" in caplog.text  # Ray's notice, as Ray logs it
+        caplog.clear()
+        _quiet_token_notice()
+        _quiet_token_notice()  # once is enough; twice adds nothing
+        ray_auth._warn_token_auth_enabled()
+        ray_auth._warn_token_auth_disabled()
+    assert "Token authentication is enabled" not in caplog.text
+    assert "Token authentication is disabled for this Ray cluster" in caplog.text
+    assert sum(type(f).__name__ == "_DropTokenNotice" for f in ray_auth.logger.filters) == 1
