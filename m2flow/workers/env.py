@@ -22,6 +22,7 @@ import torch
 
 from m2flow.algorithms import first_episode_mask
 from m2flow.runtime import Worker, WorkerError, concurrent, wait_all
+from m2flow.runtime.files import load_sealed, save_sealed
 from m2flow.workloads.embodied import EnvGroup, Trajectory, make_env_fns
 
 
@@ -182,7 +183,7 @@ class EnvWorker(Worker):
     def save_state(self, directory: str) -> None:
         """Normalizer statistics to directory/env_<rank>.safetensors (nothing if the envs do not normalize), and
         where the envs can be captured (`EnvGroup.snapshot`) the envs mid-episode with the obs each stage holds, to
-        env_<rank>.pkl: a resume then continues every episode where it was, as an uninterrupted run does."""
+        env_<rank>.pkl (a pickle, sealed: `runtime.files.save_sealed`): a resume then continues every episode where it was, as an uninterrupted run does."""
         from safetensors.torch import save_file
 
         state = self.group.state_dict()
@@ -190,7 +191,7 @@ class EnvWorker(Worker):
             save_file(state, str(Path(directory) / f"env_{self.rank}.safetensors"))
         blob = self.group.snapshot() if self.obs is not None else None
         if blob is not None:
-            torch.save({"group": blob, "obs": self.obs}, Path(directory) / f"env_{self.rank}.pkl")
+            save_sealed({"group": blob, "obs": self.obs}, Path(directory) / f"env_{self.rank}.pkl")
 
     def load_state(self, directory: str) -> None:
         """The normalizers, and the envs mid-episode where the checkpoint captured them (else every env starts a
@@ -198,8 +199,8 @@ class EnvWorker(Worker):
         from safetensors.torch import load_file
 
         snap = Path(directory) / f"env_{self.rank}.pkl"
-        if snap.exists():  # written by this run's own workers: a pickle, as the optimizer's state is
-            state = torch.load(snap, weights_only=False)
+        if snap.exists():  # a pickle: loaded only if this machine's m2flow sealed it (else refused, naming it)
+            state = load_sealed(snap)
             self.group.restore(state["group"])
             self.obs = state["obs"]
         path = Path(directory) / f"env_{self.rank}.safetensors"

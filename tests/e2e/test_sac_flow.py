@@ -3,6 +3,7 @@ pipelined plan give identical results at max_policy_lag=0, max_policy_lag=1 trai
 steps, and a checkpoint holds the replay buffer."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,17 @@ from safetensors.torch import load_file
 from m2flow import config as C
 from m2flow.cli import main
 from m2flow.flows.embodied import evaluate_checkpoint, train
+from m2flow.runtime import WorkerError
+
+
+class Touch:
+    """Unpickling it creates a file: what a crafted checkpoint could do instead."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.path),)
 
 
 def cfg_for(tmp_path, name, *overrides):
@@ -166,6 +178,16 @@ def test_a_resumed_sac_run_equals_an_uninterrupted_one(cluster, tmp_path):
     # sac.save_buffer=latest (the default): once step 6's checkpoint is complete, step 3's gives its buffer up
     assert not (ckpt / "replay.safetensors").exists() and (ckpt / "policy.safetensors").exists()
     assert (tmp_path / "parts" / "checkpoints" / "step_6" / "replay.safetensors").exists()
+
+    # the envs' snapshot is a pickle, sealed by this machine's m2flow: a planted one (here one that would create a
+    # file when unpickled) is refused with the file named, and its code never runs
+    snapshot, marker = tmp_path / "parts" / "checkpoints" / "step_6" / "env_0.pkl", tmp_path / "code_ran"
+    torch.save({"group": Touch(marker), "obs": None}, snapshot)
+    with pytest.raises(WorkerError, match=r"env rank 0: load_state\(\) raised ValueError: .*env_0.pkl: refused to "
+                                          r"load: it holds pickled objects, .* does not carry the seal of this "
+                                          r"machine's m2flow"):
+        train(cfg_for(tmp_path, "parts", "run.steps=7", "run.resume=true", *common), cluster)
+    assert not marker.exists()
 
 
 def test_sac_save_buffer_all_keeps_every_buffer_and_none_resumes_on_an_empty_one(cluster, tmp_path, capfd):
