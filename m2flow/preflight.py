@@ -133,6 +133,45 @@ def _model_dir(path: str) -> None:
     if not (p / "config.json").is_file():
         hint = " (a checkpoint? its model is in model/)" if (p / "model" / "config.json").is_file() else ""
         raise C.UserError(f"model.path: '{path}' has no config.json: not an HF model directory{hint}")
+    _model_files(p)
+
+
+def _model_files(p: Path) -> None:
+    """config.json parses and names a causal LM; each safetensors file is whole, and its tensors have the shapes that
+    config gives (read from the files' headers and a model built on the meta device: no weight is loaded)."""
+    import json
+
+    import torch
+    from safetensors import SafetensorError, safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        json.loads((p / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise C.UserError(f"model.path: {p / 'config.json'} is not valid JSON ({e})") from None
+    try:
+        with torch.device("meta"):
+            expected = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(p)).state_dict()
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise C.UserError(f"model.path: {p / 'config.json'} describes no causal LM transformers can build: "
+                          f"{' '.join(str(e).split())[:300]}") from None
+    found = 0
+    for file in sorted(p.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt") as f:
+                shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        except (SafetensorError, OSError) as e:
+            raise C.UserError(f"model.path: {file} cannot be read as safetensors ({e}): cut short or not a weights "
+                              f"file") from None
+        for name, shape in shapes.items():
+            want = expected.get(name)
+            if want is not None and tuple(want.shape) != shape:
+                raise C.UserError(f"model.path: {file}: {name} has shape {list(shape)}, but config.json gives "
+                                  f"{list(want.shape)}: the weights are not of the model config.json describes")
+            found += want is not None
+    if any(p.glob("*.safetensors")) and not found:
+        raise C.UserError(f"model.path: the safetensors files in {p} hold none of the weights of the model "
+                          f"config.json describes ({next(iter(expected))}, ...)")
 
 
 def _data_file(data) -> None:

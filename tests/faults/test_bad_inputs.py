@@ -99,6 +99,18 @@ CASES = [
      "error: model.path: no directory at '{tmp}/nope'"),
     ("model directory without config.json", ["train", "grpo_arithmetic", "model.path={tmp}/empty", *TINY],
      "error: model.path: '{tmp}/empty' has no config.json: not an HF model directory"),
+    ("model config not JSON", ["train", "grpo_arithmetic", "model.path={tmp}/model_bad_json", *TINY],
+     "error: model.path: {tmp}/model_bad_json/config.json is not valid JSON (Expecting property name enclosed in "
+     "double quotes: line 1 column 2 (char 1))"),
+    ("model weights cut short", ["train", "grpo_arithmetic", "model.path={tmp}/model_cut", *TINY],
+     "error: model.path: {tmp}/model_cut/model.safetensors cannot be read as safetensors (Error while deserializing "
+     "header: incomplete metadata, file not fully covered): cut short or not a weights file"),
+    ("model weights of another config", ["train", "grpo_arithmetic", "model.path={tmp}/model_other_shapes", *TINY],
+     "error: model.path: {tmp}/model_other_shapes/model.safetensors: model.layers.0.mlp.down_proj.weight has shape "
+     "[64, 256], but config.json gives [64, 512]: the weights are not of the model config.json describes"),
+    ("model of an architecture transformers does not know", ["train", "grpo_arithmetic",
+                                                             "model.path={tmp}/model_unknown_type", *TINY],
+     "error: model.path: {tmp}/model_unknown_type/config.json describes no causal LM transformers can build: "),
     ("data file missing", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/nope.jsonl", *TINY],
      "error: data.path: no file at '{tmp}/nope.jsonl'"),
     ("data file of the wrong type", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/data.txt", *TINY],
@@ -176,8 +188,39 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from m2flow.engines.hf import init_tiny_model
+
+    return init_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def _model_variants(base: Path, tmp_path: Path) -> None:
+    """Model directories that are broken in one way each: config.json not JSON, the weights cut short, weights of
+    another config (its MLP twice as wide), a model type transformers does not know."""
+    import json
+    import shutil
+
+    def variant(name, change):
+        shutil.copytree(base, tmp_path / name)
+        change(tmp_path / name)
+
+    def edit_config(**changes):
+        def change(d):
+            cfg = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**cfg, **{k: v(cfg) for k, v in changes.items()}}))
+        return change
+
+    variant("model_bad_json", lambda d: (d / "config.json").write_text("{oops"))
+    variant("model_cut", lambda d: (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:(d / "model.safetensors").stat().st_size // 2]))
+    variant("model_other_shapes", edit_config(intermediate_size=lambda c: 2 * c["intermediate_size"]))
+    variant("model_unknown_type", edit_config(model_type=lambda c: "nosuch"))
+
+
 @pytest.fixture
-def inputs(tmp_path):
+def inputs(tmp_path, tiny_model):
+    _model_variants(tiny_model, tmp_path)
     (tmp_path / "broken.yaml").write_text("run: {steps: [1\n")
     (tmp_path / "badflow.yaml").write_text("flow: foo\n")
     (tmp_path / "empty").mkdir()
