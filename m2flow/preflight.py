@@ -28,8 +28,7 @@ def preflight(cfg) -> None:
                 if not (Path(demos) / "demos.json").is_file():
                     raise C.UserError(f"{field}: '{demos}' holds no demos.json (expected a demonstration dataset: "
                                       f"`m2flow demos TASK -n N --out DIR` writes one)")
-        if cfg.algorithm.name == "sac":
-            _replay_buffer(cfg)
+        _env_spaces(cfg)
         return
     _model_dir(cfg.model.path)
     if cfg.data.task == "file":
@@ -216,14 +215,39 @@ def _tools(agent) -> None:
         raise C.UserError(f"agent.tools: {e}") from None
 
 
-def _replay_buffer(cfg) -> None:
-    """SAC's replay buffer against the memory available here (one env made for its spaces)."""
+def _env_spaces(cfg) -> None:
+    """The env's action space against what the algorithm drives, and SAC's replay buffer against the memory available
+    here: one env made for its spaces (not ManiSkill3's, whose tasks all act in a Box and take seconds to build)."""
+    import numpy as np
+    from gymnasium import spaces
+
     from m2flow.workers.env import make_env_group
+    from m2flow.workloads.embodied import maniskill
+
+    if maniskill.is_maniskill(cfg.env.id.split(",")[0]):
+        return
+    group = make_env_group(cfg, 1, cfg.run.seed)
+    obs, act = group.observation_space, group.action_space
+    group.close()
+    alg = cfg.algorithm.name
+    if alg == "sac" and not (isinstance(act, spaces.Box) and np.isfinite(act.low).all() and np.isfinite(act.high).all()):
+        raise C.UserError(f"algorithm.name=sac: env.id={cfg.env.id} acts in {act}, but SAC's actor squashes its "
+                          f"actions into a bounded Box (continuous actions with finite bounds); use "
+                          f"algorithm.name=ppo for this env")
+    if not isinstance(act, (spaces.Box, spaces.Discrete)):
+        raise C.UserError(f"env.id={cfg.env.id} acts in {act}: the policies act in a Box (Gaussian) or a Discrete "
+                          f"(categorical) space only")
+    if cfg.policy.init_std_scale != 1.0 and not isinstance(act, spaces.Box):
+        raise C.UserError(f"policy.init_std_scale scales a Gaussian policy's std, but env.id={cfg.env.id} acts in "
+                          f"{act}")
+    if alg == "sac":
+        _replay_buffer(cfg, obs.shape, act.shape)
+
+
+def _replay_buffer(cfg, obs: tuple, act: tuple) -> None:
+    """SAC's replay buffer against the memory available here."""
     from m2flow.workloads.embodied.replay import FITS, ReplayBuffer, available_bytes
 
-    group = make_env_group(cfg, 1, cfg.run.seed)
-    obs, act = group.observation_space.shape, group.action_space.shape
-    group.close()
     need, free = ReplayBuffer.bytes_needed(cfg.sac.buffer_size, obs, act), available_bytes()
     if need > FITS * free:
         raise C.UserError(f"sac.buffer_size: {cfg.sac.buffer_size:,} transitions of {cfg.env.id} need "

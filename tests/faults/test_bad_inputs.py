@@ -160,6 +160,9 @@ CASES = [
      "error: sac.buffer_size: 100,000,000,000 transitions of Pendulum-v1 need "),
     ("demos of a task without an expert", ["demos", "PickCub-v1", "-n", "1"],
      "error: demos: no expert for task 'PickCub-v1'; tasks: PickCube-v1, PushCube-v1, StackCube-v1"),
+    ("SAC on an env of discrete actions", ["train", "sac_pendulum", "env.id=CartPole-v1", *TINY],
+     "error: algorithm.name=sac: env.id=CartPole-v1 acts in Discrete(2), but SAC's actor squashes its actions into a "
+     "bounded Box (continuous actions with finite bounds); use algorithm.name=ppo for this env"),
     ("env module missing", ["train", "ppo_cartpole", "env.id=nosuchmod:Env-v0", *TINY],
      "error: env.id: 'nosuchmod:Env-v0': cannot import module 'nosuchmod'"),
     ("run name that is a path", ["train", "grpo_arithmetic", "run.name=../../escape"],
