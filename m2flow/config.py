@@ -414,6 +414,9 @@ class ModelConfig:
     def validate(self, where: str) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"{where}.dtype must be 'float32' or 'bfloat16', got '{self.dtype}'")
+        if self.tiny_hidden % 4:
+            raise ConfigError(f"{where}.tiny_hidden must be a multiple of 4 (the tiny model's attention heads), got "
+                              f"{self.tiny_hidden}")
         if self.tiny_arch not in ("qwen2", "llama", "qwen2_moe"):
             raise ConfigError(f"{where}.tiny_arch must be qwen2 | llama | qwen2_moe, got '{self.tiny_arch}'")
 

@@ -31,8 +31,11 @@ def preflight(cfg) -> None:
         _env_spaces(cfg)
         return
     _model_dir(cfg.model.path)
+    _generation_fits(cfg)
     if cfg.data.task == "file":
         _data_file(cfg.data)
+    else:
+        _synthetic_data(cfg)
     _reward_fn(cfg)
     if cfg.agent.tools:
         _tools(cfg.agent)
@@ -171,6 +174,75 @@ def _model_files(p: Path) -> None:
     if any(p.glob("*.safetensors")) and not found:
         raise C.UserError(f"model.path: the safetensors files in {p} hold none of the weights of the model "
                           f"config.json describes ({next(iter(expected))}, ...)")
+
+
+# what a step's samples hold per token, about, over the processes they pass through (ids, logprobs of the behaviour,
+# old and reference policies, masks, advantages; the rollout's, the channels' and the actor's copies)
+SAMPLE_BYTES_PER_TOKEN = 64
+RECORD_BYTES = 1024  # a synthetic problem as Python objects (prompt, answer, expression), about
+
+
+def _generation_fits(cfg) -> None:
+    """The longest sequence a run may decode fits the model's positions; the KV cache of the rollout's concurrent
+    sequences (on a machine without GPUs: host memory) and a step's samples fit the memory available here."""
+    import json
+
+    from m2flow.workloads.embodied.replay import FITS, available_bytes
+
+    if cfg.model.path:
+        mc = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        where = f"{cfg.model.path}/config.json"
+    else:  # the tiny model the flow builds (m2flow.engines.hf.init_tiny_model's defaults)
+        mc = {"max_position_embeddings": 256, "num_hidden_layers": cfg.model.tiny_layers, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "hidden_size": cfg.model.tiny_hidden}
+        where = "the tiny model"
+    positions = mc.get("max_position_embeddings")
+    r = cfg.rollout
+    length = cfg.data.max_prompt_len + r.max_new_tokens
+    if positions and length > positions:
+        raise C.UserError(f"rollout.max_new_tokens: data.max_prompt_len + rollout.max_new_tokens = "
+                          f"{cfg.data.max_prompt_len} + {r.max_new_tokens} = {length:,} tokens, more than the "
+                          f"{positions:,} positions of {where} (max_position_embeddings); lower them")
+    free, gib = available_bytes(), 2**30
+    heads = mc.get("num_attention_heads") or 1
+    head_dim = mc.get("head_dim") or mc.get("hidden_size", 0) // heads
+    slots = min(r.max_slots, r.prompts_per_step * r.n)
+    kv = 2 * mc.get("num_hidden_layers", 0) * slots * (mc.get("num_key_value_heads") or heads) * length * head_dim * (
+        2 if cfg.model.dtype == "bfloat16" else 4)
+    if kv > FITS * free and not _local_gpus():
+        raise C.UserError(f"rollout.max_slots: the KV cache of {slots:,} sequences of {length:,} tokens "
+                          f"(data.max_prompt_len + rollout.max_new_tokens) needs {kv / gib:.2f} GiB, more than "
+                          f"{FITS:.0%} of the {free / gib:.2f} GiB available here; lower rollout.max_slots or the "
+                          f"lengths")
+    samples = r.prompts_per_step * r.n * length * SAMPLE_BYTES_PER_TOKEN
+    if samples > FITS * free:
+        raise C.UserError(f"rollout.prompts_per_step: a step's {r.prompts_per_step * r.n:,} samples "
+                          f"(rollout.prompts_per_step x rollout.n) of up to {length:,} tokens need about "
+                          f"{samples / gib:.2f} GiB, more than {FITS:.0%} of the {free / gib:.2f} GiB available here; "
+                          f"lower rollout.prompts_per_step or rollout.n")
+
+
+def _synthetic_data(cfg) -> None:
+    """The built-in task can draw the distinct problems the run asks for (training, held back for the warm start's
+    target, held out), in the memory available here."""
+    from dataclasses import replace
+
+    from m2flow.workloads.embodied.replay import FITS, available_bytes
+    from m2flow.workloads.reasoning.tasks import task_records
+
+    d = cfg.data
+    held_back = cfg.sft.val_size if cfg.sft.steps and cfg.sft.target_accuracy else 0
+    need, free = (d.train_size + held_back + d.eval_size) * RECORD_BYTES, available_bytes()
+    if need > FITS * free:
+        raise C.UserError(f"data.train_size: {d.train_size + held_back + d.eval_size:,} {d.task} problems "
+                          f"(data.train_size, sft.val_size held back, data.eval_size) need about {need / 2**30:.2f} "
+                          f"GiB, more than {FITS:.0%} of the {free / 2**30:.2f} GiB available here; lower them")
+    try:
+        task_records(d, cfg.run.seed, "test")
+        task_records(replace(d, train_size=d.train_size + held_back), cfg.run.seed, "train")
+    except ValueError as e:
+        raise C.UserError(f"data: {e} (data.train_size={d.train_size:,}, sft.val_size held back={held_back}, "
+                          f"data.eval_size={d.eval_size:,})") from None
 
 
 def _data_file(data) -> None:

@@ -111,6 +111,24 @@ CASES = [
     ("model of an architecture transformers does not know", ["train", "grpo_arithmetic",
                                                              "model.path={tmp}/model_unknown_type", *TINY],
      "error: model.path: {tmp}/model_unknown_type/config.json describes no causal LM transformers can build: "),
+    ("responses beyond the model's positions", ["train", "demo", "rollout.max_new_tokens=1000000000", *TINY],
+     "error: rollout.max_new_tokens: data.max_prompt_len + rollout.max_new_tokens = 64 + 1000000000 = 1,000,000,064 "
+     "tokens, more than the 256 positions of the tiny model (max_position_embeddings); lower them"),
+    ("a step's samples beyond the memory", ["train", "demo", "rollout.prompts_per_step=100000000", *TINY],
+     "error: rollout.prompts_per_step: a step's 800,000,000 samples (rollout.prompts_per_step x rollout.n) of up to "
+     "69 tokens need about "),
+    ("a KV cache beyond the memory", ["train", "grpo_arithmetic", "rollout.max_slots=100000000", "model.tiny_layers=64",
+                                      "model.tiny_hidden=4096", "rollout.prompts_per_step=100000", *TINY],
+     "error: rollout.max_slots: the KV cache of 800,000 sequences of 69 tokens (data.max_prompt_len + "
+     "rollout.max_new_tokens) needs 53906.25 GiB, more than 80% of the "),
+    ("more problems than the task has", ["train", "demo", "data.digits=1", *TINY],
+     "error: data: arithmetic: found only 12 distinct test problems of the 500 asked for; the problem space is too "
+     "small"),
+    ("more problems than the memory holds", ["train", "demo", "data.train_size=100000000000", *TINY],
+     "error: data.train_size: 100,000,000,756 arithmetic problems (data.train_size, sft.val_size held back, "
+     "data.eval_size) need about 95367.43 GiB, more than 80% of the "),
+    ("tiny model of no whole head size", ["train", "grpo_arithmetic", "model.tiny_hidden=6"],
+     "config error: model.tiny_hidden must be a multiple of 4 (the tiny model's attention heads), got 6"),
     ("data file missing", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/nope.jsonl", *TINY],
      "error: data.path: no file at '{tmp}/nope.jsonl'"),
     ("data file of the wrong type", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/data.txt", *TINY],
