@@ -314,6 +314,25 @@ def _env_spaces(cfg) -> None:
                           f"{act}")
     if alg == "sac":
         _replay_buffer(cfg, obs.shape, act.shape)
+    else:
+        _rollout_buffer(cfg, obs, act)
+
+
+def _rollout_buffer(cfg, obs, act) -> None:
+    """An on-policy iteration's trajectories (env.num_envs x rollout.steps steps, each its observation as float32, its
+    action, and six numbers: logprob, value, reward, done, advantage, return), held by the env workers, the channel
+    and the actor at once, against the memory available here."""
+    import numpy as np
+
+    from m2flow.workloads.embodied.replay import FITS, available_bytes
+
+    step = 4 * (int(np.prod(obs.shape)) + max(int(np.prod(act.shape or (1,))), 1) + 6)
+    steps = cfg.env.num_envs * cfg.rollout.steps
+    need, free = 3 * steps * step, available_bytes()
+    if need > FITS * free:
+        raise C.UserError(f"rollout.steps: an iteration's {steps:,} env steps (env.num_envs x rollout.steps) of "
+                          f"{cfg.env.id} need about {need / 2**30:.2f} GiB, more than {FITS:.0%} of the "
+                          f"{free / 2**30:.2f} GiB available here; lower env.num_envs or rollout.steps")
 
 
 def _replay_buffer(cfg, obs: tuple, act: tuple) -> None:

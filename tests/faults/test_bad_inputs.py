@@ -181,6 +181,9 @@ CASES = [
     ("SAC on an env of discrete actions", ["train", "sac_pendulum", "env.id=CartPole-v1", *TINY],
      "error: algorithm.name=sac: env.id=CartPole-v1 acts in Discrete(2), but SAC's actor squashes its actions into a "
      "bounded Box (continuous actions with finite bounds); use algorithm.name=ppo for this env"),
+    ("an iteration's trajectories beyond the memory", ["train", "ppo_cartpole", "rollout.steps=10000000000", *TINY],
+     "error: rollout.steps: an iteration's 80,000,000,000 env steps (env.num_envs x rollout.steps) of CartPole-v1 "
+     "need about "),
     ("env module missing", ["train", "ppo_cartpole", "env.id=nosuchmod:Env-v0", *TINY],
      "error: env.id: 'nosuchmod:Env-v0': cannot import module 'nosuchmod'"),
     ("run name that is a path", ["train", "grpo_arithmetic", "run.name=../../escape"],
