@@ -769,7 +769,8 @@ class EnvConfig:
     chunk: int = opt(1, "actions per policy call (action chunks): one learner step of up to `chunk` env steps",
                      within="[1, inf)")
     pixels: bool = opt(False, "observe rendered frames [3, image_size, image_size] uint8 (with policy.kind=cnn)")
-    image_size: int = opt(64, "side of the pixel observations", within="[1, inf)")
+    image_size: int = opt(64, "side of the pixel observations (36 at least: the CNN encoder's three convolutions "
+                              "leave nothing of a smaller frame)", within="[36, 2048]")
     max_episode_steps: int | None = opt(None, "override the env's time limit (None: the registered one)",
                                         within="[1, inf)")
     instruct: bool = opt(False, "ManiSkill3: observations carry the task's instruction (word ids, then the state "

@@ -30,8 +30,10 @@ def preflight(cfg) -> None:
                                       f"`m2flow demos TASK -n N --out DIR` writes one)")
         _env_spaces(cfg)
         return
-    _model_dir(cfg.model.path)
-    _generation_fits(cfg)
+    model = _model(cfg)
+    if cfg.model.lora.r:
+        _lora_targets(cfg.model.lora, model)
+    _generation_fits(cfg, model.config)
     if cfg.data.task == "file":
         _data_file(cfg.data)
     else:
@@ -125,9 +127,36 @@ def _placement(cfg) -> None:
         C.refill_reward_ranks(cfg, placed["reward"].world_size)
 
 
-def _model_dir(path: str) -> None:
-    if not path:
-        return  # a tiny model is built into the run directory
+def _model(cfg):
+    """The run's model built on the meta device (no weight allocated): model.path's, checked (`_model_dir`), or the
+    tiny model the flow builds when it is empty."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if cfg.model.path:
+        return _model_dir(cfg.model.path)
+    from m2flow.engines.hf import tiny_config
+
+    m = cfg.model
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(tiny_config(m.tiny_arch, m.tiny_hidden, m.tiny_layers))
+
+
+def _lora_targets(lora, model) -> None:
+    """Each of model.lora.target_modules names modules of the model, as PEFT matches them (the name, or its last
+    dotted parts)."""
+    import torch
+
+    names = [name for name, _ in model.named_modules()]
+    for target in lora.target_modules:
+        if target != "all-linear" and not any(n == target or n.endswith(f".{target}") for n in names):
+            kinds = sorted({n.rsplit(".", 1)[-1] for n, mod in model.named_modules()
+                            if isinstance(mod, torch.nn.Linear)})
+            raise C.UserError(f"model.lora.target_modules: the model has no module '{target}'; its linear layers: "
+                              f"{', '.join(kinds)} (or all-linear)")
+
+
+def _model_dir(path: str):
     p = Path(path)
     if not p.is_dir():
         raise C.UserError(f"model.path: no directory at '{path}' (expected a local HF model directory with "
@@ -135,10 +164,10 @@ def _model_dir(path: str) -> None:
     if not (p / "config.json").is_file():
         hint = " (a checkpoint? its model is in model/)" if (p / "model" / "config.json").is_file() else ""
         raise C.UserError(f"model.path: '{path}' has no config.json: not an HF model directory{hint}")
-    _model_files(p)
+    return _model_files(p)
 
 
-def _model_files(p: Path) -> None:
+def _model_files(p: Path):
     """config.json parses and names a causal LM; each safetensors file is whole, and its tensors have the shapes that
     config gives (read from the files' headers and a model built on the meta device: no weight is loaded)."""
     import json
@@ -153,7 +182,8 @@ def _model_files(p: Path) -> None:
         raise C.UserError(f"model.path: {p / 'config.json'} is not valid JSON ({e})") from None
     try:
         with torch.device("meta"):
-            expected = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(p)).state_dict()
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(p))
+        expected = model.state_dict()
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise C.UserError(f"model.path: {p / 'config.json'} describes no causal LM transformers can build: "
                           f"{' '.join(str(e).split())[:300]}") from None
@@ -174,6 +204,7 @@ def _model_files(p: Path) -> None:
     if any(p.glob("*.safetensors")) and not found:
         raise C.UserError(f"model.path: the safetensors files in {p} hold none of the weights of the model "
                           f"config.json describes ({next(iter(expected))}, ...)")
+    return model
 
 
 # what a step's samples hold per token, about, over the processes they pass through (ids, logprobs of the behaviour,
@@ -182,20 +213,13 @@ SAMPLE_BYTES_PER_TOKEN = 64
 RECORD_BYTES = 1024  # a synthetic problem as Python objects (prompt, answer, expression), about
 
 
-def _generation_fits(cfg) -> None:
+def _generation_fits(cfg, model_config) -> None:
     """The longest sequence a run may decode fits the model's positions; the KV cache of the rollout's concurrent
     sequences (on a machine without GPUs: host memory) and a step's samples fit the memory available here."""
-    import json
-
     from m2flow.workloads.embodied.replay import FITS, available_bytes
 
-    if cfg.model.path:
-        mc = json.loads((Path(cfg.model.path) / "config.json").read_text())
-        where = f"{cfg.model.path}/config.json"
-    else:  # the tiny model the flow builds (m2flow.engines.hf.init_tiny_model's defaults)
-        mc = {"max_position_embeddings": 256, "num_hidden_layers": cfg.model.tiny_layers, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "hidden_size": cfg.model.tiny_hidden}
-        where = "the tiny model"
+    mc = model_config.to_dict()
+    where = f"{cfg.model.path}/config.json" if cfg.model.path else "the tiny model"
     positions = mc.get("max_position_embeddings")
     r = cfg.rollout
     length = cfg.data.max_prompt_len + r.max_new_tokens

@@ -98,6 +98,27 @@ def build_char_tokenizer(chars: str | None = None) -> PreTrainedTokenizerFast:
     )
 
 
+def tiny_config(arch: str = "qwen2", hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                num_kv_heads: int = 2, intermediate_size: int | None = None, max_position_embeddings: int = 256,
+                vocab_size: int | None = None):
+    """The HF config of the tiny model `init_tiny_model` writes (`vocab_size`: its character tokenizer's)."""
+    return _CONFIGS[arch](
+        vocab_size=vocab_size or len(build_char_tokenizer()),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        **(dict(_MOE, moe_intermediate_size=2 * hidden_size, shared_expert_intermediate_size=2 * hidden_size)
+           if arch == "qwen2_moe" else {}),
+    )
+
+
 def init_tiny_model(
     out_dir: str | Path,
     arch: str = "qwen2",
@@ -127,21 +148,8 @@ def init_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer(tokenizer_chars)
-    config = _CONFIGS[arch](
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        intermediate_size=intermediate_size or 4 * hidden_size,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        **(dict(_MOE, moe_intermediate_size=2 * hidden_size, shared_expert_intermediate_size=2 * hidden_size)
-           if arch == "qwen2_moe" else {}),
-    )
+    config = tiny_config(arch, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                         max_position_embeddings, vocab_size=len(tokenizer))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -129,6 +129,10 @@ CASES = [
      "data.eval_size) need about 95367.43 GiB, more than 80% of the "),
     ("tiny model of no whole head size", ["train", "grpo_arithmetic", "model.tiny_hidden=6"],
      "config error: model.tiny_hidden must be a multiple of 4 (the tiny model's attention heads), got 6"),
+    ("LoRA on a module the model lacks", ["train", "grpo_arithmetic", "model.lora.r=4",
+                                          "model.lora.target_modules=[nope_proj]", *TINY],
+     "error: model.lora.target_modules: the model has no module 'nope_proj'; its linear layers: down_proj, gate_proj, "
+     "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj (or all-linear)"),
     ("data file missing", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/nope.jsonl", *TINY],
      "error: data.path: no file at '{tmp}/nope.jsonl'"),
     ("data file of the wrong type", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/data.txt", *TINY],
@@ -184,6 +188,9 @@ CASES = [
     ("an iteration's trajectories beyond the memory", ["train", "ppo_cartpole", "rollout.steps=10000000000", *TINY],
      "error: rollout.steps: an iteration's 80,000,000,000 env steps (env.num_envs x rollout.steps) of CartPole-v1 "
      "need about "),
+    ("frames too large to render", ["train", "ppo_cartpole", "env.pixels=true", "policy.kind=cnn",
+                                    "env.image_size=100000"],
+     "config error: env.image_size must be in [36, 2048], got 100000"),
     ("env module missing", ["train", "ppo_cartpole", "env.id=nosuchmod:Env-v0", *TINY],
      "error: env.id: 'nosuchmod:Env-v0': cannot import module 'nosuchmod'"),
     ("run name that is a path", ["train", "grpo_arithmetic", "run.name=../../escape"],
