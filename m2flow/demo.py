@@ -12,6 +12,7 @@ from m2flow import config as C
 from m2flow.api import train
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.flows.outputs import holds_run, latest_checkpoint, run_dir_claimed
+from m2flow.preflight import preflight
 from m2flow.workloads.reasoning.evaluate import evaluate
 from m2flow.workloads.reasoning.tasks import build_datasets, reward_name, reward_timeout
 from m2flow.workloads.reasoning.warm_start import prepare_model
@@ -68,6 +69,7 @@ def run_demo(overrides: list[str] | None = None, cluster=None) -> dict:
     """`make demo`: SFT warm start, held-out evaluation, GRPO (held-out pass@1 every `run.eval_every` steps), the
     evaluation again, a summary table and the line `held-out accuracy: BEFORE% -> AFTER%`."""
     cfg = C.load(C.ReasoningConfig, "demo", overrides)
+    preflight(cfg)  # before the warm start: a mistake costs a second, not the minutes before GRPO starts
     t0 = time.perf_counter()
     replaced = holds_run(cfg.run.path) if cfg.run.overwrite else ""
     print(f"[m2flow demo] run directory: {cfg.run.path}" + (f" (the earlier run there, {replaced}, is replaced: "

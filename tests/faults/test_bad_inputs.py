@@ -133,6 +133,8 @@ CASES = [
                                           "model.lora.target_modules=[nope_proj]", *TINY],
      "error: model.lora.target_modules: the model has no module 'nope_proj'; its linear layers: down_proj, gate_proj, "
      "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj (or all-linear)"),
+    ("the demo asked for more problems than the task has", ["demo", "data.digits=1", *TINY],
+     "error: data: arithmetic: found only 12 distinct test problems of the 500 asked for"),
     ("data file missing", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/nope.jsonl", *TINY],
      "error: data.path: no file at '{tmp}/nope.jsonl'"),
     ("data file of the wrong type", ["train", "grpo_arithmetic", "data.task=file", "data.path={tmp}/data.txt", *TINY],
