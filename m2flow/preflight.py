@@ -125,6 +125,22 @@ def _placement(cfg) -> None:
                           f"sets how many CPU devices)") from None
     if isinstance(cfg, C.ReasoningConfig):
         C.refill_reward_ranks(cfg, placed["reward"].world_size)
+    else:
+        _env_split(cfg.env, placed["env"].world_size)
+
+
+def _env_split(env, workers: int) -> None:
+    """env.num_envs over the placement's env workers: an equal share each, whole seed groups, a stage per env at most
+    (what each env worker checks as it starts)."""
+    where = f"(the placement gives the env {workers} worker{'s' * (workers > 1)})"
+    if env.num_envs % workers:
+        raise C.UserError(f"env.num_envs={env.num_envs} must be a multiple of the env workers {where}")
+    share = env.num_envs // workers
+    if share % env.seed_groups:
+        raise C.UserError(f"env.seed_groups={env.seed_groups} must divide the {share} envs per env worker {where}")
+    if env.pipeline_stages > share:
+        raise C.UserError(f"env.pipeline_stages={env.pipeline_stages} exceeds the {share} envs per env worker: each "
+                          f"stage steps one env at least {where}")
 
 
 def _model(cfg):
@@ -322,9 +338,15 @@ def _env_spaces(cfg) -> None:
 
     if maniskill.is_maniskill(cfg.env.id.split(",")[0]):
         return
-    group = make_env_group(cfg, 1, cfg.run.seed)
-    obs, act = group.observation_space, group.action_space
-    group.close()
+    try:  # made, reset and stepped once, as an env worker will: env.kwargs reach the env's constructor
+        group = make_env_group(cfg, 1, cfg.run.seed)
+        obs, act = group.observation_space, group.action_space
+        group.reset()
+        group.step(np.stack([act.sample()]))
+        group.close()
+    except Exception as e:  # noqa: BLE001 - whatever the env's own code raises, named in one line
+        raise C.UserError(f"env.id={cfg.env.id} with env.kwargs={cfg.env.kwargs}: making, resetting or stepping the "
+                          f"env failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     alg = cfg.algorithm.name
     if alg == "sac" and not (isinstance(act, spaces.Box) and np.isfinite(act.low).all() and np.isfinite(act.high).all()):
         raise C.UserError(f"algorithm.name=sac: env.id={cfg.env.id} acts in {act}, but SAC's actor squashes its "

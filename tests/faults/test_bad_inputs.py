@@ -193,6 +193,18 @@ CASES = [
     ("frames too large to render", ["train", "ppo_cartpole", "env.pixels=true", "policy.kind=cnn",
                                     "env.image_size=100000"],
      "config error: env.image_size must be in [36, 2048], got 100000"),
+    ("env keyword the env does not take", ["train", "ppo_cartpole", "env.kwargs={nosuch: 1}", *TINY],
+     "error: env.id=CartPole-v1 with env.kwargs={'nosuch': 1}: making, resetting or stepping the env failed: "
+     "TypeError: "),
+    ("env keyword of the wrong type", ["train", "ppo_halfcheetah", "env.kwargs={ctrl_cost_weight: fast}", *TINY],
+     "error: env.id=HalfCheetah-v5 with env.kwargs={'ctrl_cost_weight': 'fast'}: making, resetting or stepping the "
+     "env failed: "),
+    ("more pipeline stages than envs", ["train", "ppo_cartpole", "env.num_envs=8", "env.pipeline_stages=16", *TINY],
+     "error: env.pipeline_stages=16 exceeds the 8 envs per env worker: each stage steps one env at least (the "
+     "placement gives the env 1 worker)"),
+    ("envs that do not split over the env workers", ["train", "ppo_cartpole", "env.num_envs=7",
+                                                    "cluster.placement=env: 0-1; rollout,actor: 0", *TINY],
+     "error: env.num_envs=7 must be a multiple of the env workers (the placement gives the env 2 workers)"),
     ("env module missing", ["train", "ppo_cartpole", "env.id=nosuchmod:Env-v0", *TINY],
      "error: env.id: 'nosuchmod:Env-v0': cannot import module 'nosuchmod'"),
     ("run name that is a path", ["train", "grpo_arithmetic", "run.name=../../escape"],
