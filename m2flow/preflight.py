@@ -96,13 +96,32 @@ def _cluster_address(address: str | None) -> None:
     if not colon or not host or not port.isdigit():
         raise C.UserError(f"cluster.address must be auto, HOST:PORT (a head's GCS, e.g. 10.0.0.5:6379) or "
                           f"ray://HOST:PORT (a head's client server), got {given!r}")
+    start = f"--ray-client-server-port={port}" if address.startswith("ray://") else f"--port={port}"
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=ADDRESS_TIMEOUT_S).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=ADDRESS_TIMEOUT_S) as conn:
+            reply = _http2_reply(conn)
     except OSError as e:
         why = f"no answer within {ADDRESS_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else e.strerror or str(e)
-        start = f"--ray-client-server-port={port}" if address.startswith("ray://") else f"--port={port}"
         raise C.UserError(f"cluster.address: nothing answers at {address} ({why}): start the cluster's head there "
                           f"(`ray start --head {start}`), or leave cluster.address empty to start a local one") from None
+    if reply is not True:
+        raise C.UserError(f"cluster.address: {address} answers, but not as a Ray cluster (no gRPC server there; "
+                          f"it said {reply!r}): give the port `ray start --head {start}` opened, or leave "
+                          f"cluster.address empty to start a local one")
+
+
+def _http2_reply(conn) -> bool | bytes:
+    """True if the server on `conn` speaks HTTP/2 (gRPC: what a Ray head's GCS and client server are), else the first
+    bytes it sent back: the client preface and an empty SETTINGS frame, answered by a SETTINGS frame (type 4)."""
+    conn.settimeout(ADDRESS_TIMEOUT_S / 2)
+    conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+    head = b""
+    try:
+        while len(head) < 9 and (chunk := conn.recv(9 - len(head))):
+            head += chunk
+    except TimeoutError:
+        pass
+    return True if len(head) == 9 and head[3] == 4 else head
 
 
 def _placement(cfg) -> None:

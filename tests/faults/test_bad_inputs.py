@@ -317,3 +317,52 @@ def test_every_case_is_listed_in_docs_errors_md():
     rows = re.findall(r"^\| (.+?) \|", doc, re.M)
     missing = [name for name, _, _ in CASES if name not in rows]
     assert len(CASES) >= 30 and not missing, missing
+
+
+@pytest.fixture
+def servers():
+    """Two local TCP servers that are no Ray cluster: one answers as a web server does, one accepts and says
+    nothing."""
+    import socket
+    import threading
+
+    def serve(reply: bytes | None):
+        sock = socket.create_server(("127.0.0.1", 0))
+        def run():
+            while True:
+                try:
+                    conn, _ = sock.accept()
+                except OSError:
+                    return
+                if reply is not None:
+                    conn.recv(64)
+                    conn.sendall(reply)
+                threading.Timer(30, conn.close).start()
+        threading.Thread(target=run, daemon=True).start()
+        return sock
+
+    socks = [serve(b"HTTP/1.1 400 Bad Request\r\n\r\n"), serve(None)]
+    yield [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+
+
+def test_a_cluster_address_that_answers_but_not_as_ray_is_refused_in_seconds(servers, cluster, no_ray, capsys):
+    """Ray retries such an address for minutes (a web server's port once hung `m2flow train` past 180 s); a Ray
+    head's GCS (this session's own) passes the check."""
+    import time
+
+    import ray
+
+    from m2flow.preflight import _cluster_address
+
+    web, silent = servers
+    for port, said in ((web, "it said b'HTTP/1.1 '"), (silent, "it said b''")):
+        t0 = time.monotonic()
+        assert main(["train", "grpo_arithmetic", f"cluster.address=127.0.0.1:{port}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"m2flow: error: cluster.address: 127.0.0.1:{port} answers, but not as a Ray cluster (no gRPC "
+                       f"server there; {said}): give the port `ray start --head --port={port}` opened, or leave "
+                       f"cluster.address empty to start a local one"), err
+        assert time.monotonic() - t0 < 30
+    _cluster_address(ray.get_runtime_context().gcs_address)  # a Ray cluster's GCS: no error
