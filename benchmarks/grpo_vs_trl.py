@@ -35,7 +35,7 @@ import transformers
 
 from m2flow import config as C
 from m2flow.engines.hf import init_tiny_model, load_model, load_tokenizer
-from m2flow.demo import evaluate_model
+from m2flow.reasoning.evaluation import evaluate_model
 from m2flow.flows.reasoning import train
 from m2flow.workloads.reasoning.warm_start import sft_model
 from m2flow.workloads.reasoning.rewards import exact_match

@@ -126,7 +126,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, k: int = 8, l
         from m2flow.flows.embodied import evaluate_checkpoint
 
         return evaluate_checkpoint(p, episodes=episodes, video_dir=video_dir)
-    from m2flow.demo import describe_eval_data, eval_config, evaluate_model
+    from m2flow.reasoning.evaluation import describe_eval_data, eval_config, evaluate_model
 
     model, cfg, source = eval_config(str(p), overrides)
     about = {"model": model, "config": source, "data": describe_eval_data(cfg.data, cfg.run.seed),

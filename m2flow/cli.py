@@ -240,7 +240,7 @@ def cmd_demos(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from m2flow.planning.profile import profile_command
+    from m2flow.planning.command import profile_command
 
     print(profile_command(args.config, args.overrides, args.out, args.batches, args.repeats))
     return 0

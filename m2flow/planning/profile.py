@@ -12,18 +12,17 @@ import json
 import pickle
 import shutil
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import psutil
 import torch
 
 from m2flow import config as C
 from m2flow.engines.hf import load_tokenizer
-from m2flow.runtime import Channel, Cluster, concurrent, launch_cohosted, parse_placement, running
-from m2flow.scheduler.profile import ComponentInfo, Machine, Measurement, Profile, Transfer, Weights
+from m2flow.planning.probe import Probe, median_rows
+from m2flow.runtime import Channel, Cluster, launch_cohosted, parse_placement, running
+from m2flow.scheduler.profile import ComponentInfo, Machine, Profile, Transfer, Weights
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.common import END, drain
 from m2flow.workers.critic import CriticWorker
@@ -45,111 +44,23 @@ def components_of(cfg) -> tuple[str, ...]:
 BURST_SHARE = 0.5  # rollout "does not stream" when its first output came after this share of its work
 
 
-class _Probe:
-    """Mixed into a component's worker: call one of its methods timed, with peak memory and when it put outputs."""
-
-    def timed(self, method: str, *args) -> dict:
-        puts: list[tuple[float, float]] = []
-        args = tuple(_Stamped(a, puts) if isinstance(a, Channel) else a for a in args)
-        gpu = bool(self.devices) and self.devices[0].kind == "gpu"
-        self.tracer.spans(clear=True)
-        peak = [0]
-        stop = threading.Event()
-        if gpu:
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            proc = psutil.Process()
-            peak[0] = proc.memory_info().rss
-
-            def sample():
-                while not stop.wait(0.005):
-                    peak[0] = max(peak[0], proc.memory_info().rss)
-
-            sampler = threading.Thread(target=sample, daemon=True)
-            sampler.start()
-        start = time.perf_counter()
-        try:
-            result = getattr(self, method)(*args)
-        finally:
-            seconds = time.perf_counter() - start
-            stop.set()
-        if gpu:
-            peak[0] = torch.cuda.max_memory_allocated()
-        else:
-            sampler.join()
-            peak[0] = max(peak[0], proc.memory_info().rss)
-        spans = {}
-        for s in self.tracer.spans(clear=True):
-            spans[s["phase"]] = spans.get(s["phase"], 0.0) + s["end"] - s["start"]
-        # one process spanning several devices holds its memory once: per device it is a share
-        return dict(result=result, seconds=seconds, peak_bytes=peak[0] // max(len(self.devices), 1),
-                    puts=[(a - start, b - start) for a, b in puts], spans=spans)
-
-    def state_bytes(self) -> int:
-        """Bytes of the registered state (weights, optimizer state), counted once."""
-        seen, total = set(), 0
-        for obj in self.__dict__.get("_m2flow_offloadables", {}).values():
-            tensors = list(obj.parameters()) + list(obj.buffers()) if isinstance(obj, torch.nn.Module) else \
-                [v for st in obj.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-            for t in tensors:
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    total += t.numel() * t.element_size()
-        return total
-
-    def model_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.state_dict().values())
-
-    def consume(self, inp) -> tuple[int, float]:
-        """Take items from `inp` until END: (items, seconds)."""
-        start = time.perf_counter()
-        n = sum(1 for _ in drain(inp))
-        return n, time.perf_counter() - start
-
-    @concurrent
-    def machine(self, devices_on_node: int) -> tuple[str, int]:
-        """(device kind, usable memory bytes per device) as this rank sees it: a GPU's name and memory, or a CPU
-        slot's core count and its share of the node's RAM."""
-        if self.devices and self.devices[0].kind == "gpu":
-            props = torch.cuda.get_device_properties(0)
-            return props.name, props.total_memory
-        cores = len(self.devices[0].cores) if self.devices else 1
-        return f"cpu-slot-{cores}core", psutil.virtual_memory().total // max(devices_on_node, 1)
-
-
-class _Stamped:
-    """A channel that notes when each put of an item (not END) started and ended."""
-
-    def __init__(self, channel, puts: list):
-        self._channel, self._puts = channel, puts
-
-    def put(self, item, *args, **kwargs):
-        start = time.perf_counter()
-        self._channel.put(item, *args, **kwargs)
-        if not (isinstance(item, str) and item == END):
-            self._puts.append((start, time.perf_counter()))
-
-    def __getattr__(self, name):
-        return getattr(self._channel, name)
-
-
-class RolloutProbe(_Probe, RolloutWorker):
+class RolloutProbe(Probe, RolloutWorker):
     pass
 
 
-class RewardProbe(_Probe, RewardWorker):
+class RewardProbe(Probe, RewardWorker):
     pass
 
 
-class InferenceProbe(_Probe, InferenceWorker):
+class InferenceProbe(Probe, InferenceWorker):
     pass
 
 
-class ActorProbe(_Probe, ActorWorker):
+class ActorProbe(Probe, ActorWorker):
     pass
 
 
-class CriticProbe(_Probe, CriticWorker):
+class CriticProbe(Probe, CriticWorker):
     pass
 
 
@@ -432,69 +343,3 @@ def _table(cfg, cluster: Cluster, rows: dict, info: dict, batch: int) -> Profile
                    measurements=measurements,
                    transfer=Transfer(t["bytes_per_sample"], t["seconds_per_gb"], t["latency_seconds"]),
                    weights=Weights(info["weights"], "actor", ("rollout", "inference")), cohosted_scale=scale)
-
-
-def median_rows(rows: dict[tuple[str, int, int], list[dict]], components) -> list[Measurement]:
-    """{(component, batch, devices): [{seconds, peak_bytes}, ...]} -> one Measurement per cell: the medians, with
-    seconds made non-decreasing in batch per (component, devices)."""
-    measurements = []
-    for name in components:
-        for d in sorted({d for c, _, d in rows if c == name}):
-            cells = sorted((n, rs) for (c, n, dd), rs in rows.items() if c == name and dd == d)
-            seconds = _non_decreasing([statistics.median(r["seconds"] for r in rs) for _, rs in cells],
-                                      [len(rs) for _, rs in cells])
-            measurements += [Measurement(name, n, d, max(s, 1e-9), int(statistics.median(r["peak_bytes"] for r in rs)))
-                             for (n, rs), s in zip(cells, seconds)]
-    return measurements
-
-
-def _non_decreasing(values: list[float], weights: list[int]) -> list[float]:
-    """The closest non-decreasing sequence (weighted least squares, pool adjacent violators): on a busy machine a
-    bigger batch can time faster than a smaller one by chance, never by nature."""
-    blocks: list[list[float]] = []  # [mean, weight, count]
-    for v, w in zip(values, weights):
-        blocks.append([v, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (v2, w2, c2), (v1, w1, c1) = blocks.pop(), blocks.pop()
-            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
-    return [v for v, _, c in blocks for _ in range(c)]
-
-
-def profile_command(config: str, overrides: list[str], out: str | None = None, batches: str | None = None,
-                    repeats: int = 3) -> str:
-    """`m2flow profile CONFIG [overrides] [--out P.json] [--batches 8,16,32]`: profile the config's flow (reasoning or
-    embodied; embodied batches are env counts), write the table, return a summary."""
-    from m2flow import config as C
-
-    data = C.read_yaml(C.resolve_path(config))
-    flow = data.get("flow", "reasoning")
-    if flow not in ("reasoning", "embodied"):
-        raise C.ConfigError(f"config '{config}': flow must be reasoning | embodied, got '{flow}'")
-    cfg = C.load(C.ReasoningConfig if flow == "reasoning" else C.EmbodiedConfig, data, overrides)
-    cluster = Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
-    try:
-        sizes = [int(s) for s in batches.split(",")] if batches else None
-        start = time.perf_counter()
-        if flow == "embodied":  # batches are env counts
-            from m2flow.planning.profile_embodied import profile_embodied
-
-            p = profile_embodied(cfg, cluster, sizes, out, repeats=repeats)
-        else:
-            p = profile_reasoning(cfg, cluster, sizes, out, repeats=repeats)
-    finally:
-        cluster.shutdown()
-    lines = [f"profiled {len(p.measurements)} (component, batch, devices) cells on {p.machine.devices} x "
-             f"{p.machine.kind} in {time.perf_counter() - start:.0f} s: {p.source}",
-             f"{'component':10s} {'batch':>6s} {'devices':>7s} {'seconds':>9s} {'peak MB':>8s}"]
-    lines += [f"{m.component:10s} {m.batch:6d} {m.devices:7d} {m.seconds:9.4f} {m.peak_bytes / 1e6:8.0f}"
-              for m in p.measurements]
-    for name, c in p.components.items():
-        lines.append(f"{name}: state {c.state_bytes / 1e6:.2f} MB, offload {c.offload_seconds:.3f} s, "
-                     f"onload {c.onload_seconds:.3f} s, fixed {c.fixed_seconds:.3f} s/step"
-                     + ("" if c.streams else ", waits for the whole batch")
-                     + (f", merges what streams in into passes of {c.merge_samples} samples" if c.merge_samples else ""))
-    t = p.transfer
-    lines.append(f"channel: {t.latency_seconds * 1e3:.2f} ms per message, {t.seconds_per_gb:.3f} s/GB, "
-                 f"{t.bytes_per_sample} bytes per sample")
-    lines.append(f"next: m2flow plan --profile {p.source} --devices N")
-    return "\n".join(lines)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from m2flow.config import EmbodiedClusterConfig
-from m2flow.planning.profile import _Probe, median_rows
+from m2flow.planning.probe import Probe, median_rows
 from m2flow.runtime import Channel, Cluster, parse_placement, running
 from m2flow.scheduler.profile import (
     ComponentInfo,
@@ -42,7 +42,7 @@ COMPONENTS = EmbodiedClusterConfig.COMPONENTS  # env, rollout, actor
 STAGES = (1, 2, 4)  # env pipeline stages the planner considers: rows at num_envs / S envs
 
 
-class EnvProbe(_Probe, EnvWorker):
+class EnvProbe(Probe, EnvWorker):
     def resize(self, num_envs: int) -> None:
         """Rebuild with `num_envs` envs in total (this rank's share: num_envs / ranks), in lockstep."""
         base = self.__dict__.setdefault("base_cfg", self.cfg)
@@ -52,7 +52,7 @@ class EnvProbe(_Probe, EnvWorker):
             base.env, num_envs=num_envs, pipeline_stages=1, seed_groups=groups)))
 
 
-class _PolicyProbe(_Probe):
+class _PolicyProbe(Probe):
     def model_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.policy.state_dict().values())
 

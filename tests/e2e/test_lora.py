@@ -10,7 +10,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from m2flow import config as C
-from m2flow.demo import evaluate_model
+from m2flow.reasoning.evaluation import evaluate_model
 from m2flow.engines.hf import load_model
 from m2flow.flows.reasoning import train
 

@@ -203,7 +203,7 @@ def test_held_out_accuracy_every_n_steps_is_that_of_the_weights_of_that_step(clu
     """`run.eval_every=1`, pipelined and one step off-policy: the rollout worker scores the start model (step 0) and
     every step's synced weights on the held-out split with the run's reward; a row waits for its evaluation while the
     next step is handed out. The figures equal this process's evaluation of the saved models (to one problem)."""
-    from m2flow.demo import evaluate_model
+    from m2flow.reasoning.evaluation import evaluate_model
 
     cfg = make_cfg(tmp_path, "ev", "run.steps=4", "run.eval_every=1", "run.save_every=3", "actor.lr=1e-2",
                    "algorithm.max_staleness=1", "reward.fn=reward_fixtures:even_first_char",
