@@ -18,20 +18,9 @@ from typing import Any, ClassVar
 
 import yaml
 
+from m2flow.errors import ConfigError, MissingFileError, UserError  # noqa: F401 - re-exported: m2flow.config's errors
+
 CONFIG_DIR = Path(str(importlib.resources.files("m2flow") / "configs"))  # the presets: package data (configs/ links here)
-
-
-class UserError(ValueError):
-    """Something the user gave is wrong or in the way (a file, a directory, a value): the message names it, says what
-    was expected and how to go on. The `m2flow` command prints it as one line and exits with code 2."""
-
-
-class MissingFileError(UserError, FileNotFoundError):
-    """A file or directory the user named is missing or is not what was expected (also a FileNotFoundError)."""
-
-
-class ConfigError(UserError):
-    """A config value or key is wrong; the message names the dotted field and what was expected."""
 
 
 class Interval:

@@ -21,7 +21,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from m2flow.config import MissingFileError
+from m2flow.errors import MissingFileError
 from m2flow.engines.base import Generation, GroupCallback, SamplingParams
 
 hf_logging.disable_progress_bar()  # no per-load/save bars in worker logs; m2flow shows its own progress

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from m2flow.config import EmbodiedClusterConfig
 from m2flow.scheduler.cost import Layout
 from m2flow.scheduler.profile import Profile
 from m2flow.scheduler.search import Candidate, SearchResult, search
 
-COMPONENTS = EmbodiedClusterConfig.COMPONENTS  # env, rollout, actor
+COMPONENTS = ("env", "rollout", "actor")  # the embodied flow's components, in data order
 
 
 def runnable(c: Candidate, num_envs: int) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from m2flow.config import UserError
+from m2flow.errors import UserError
 
 __all__ = ["ProfileError", "Measurement", "ComponentInfo", "Machine", "Transfer", "Weights", "Profile", "load_profile"]
 

@@ -9,11 +9,11 @@ ROOT = Path(m2flow.__file__).parent
 
 # package -> m2flow subpackages it must never import
 FORBIDDEN = {
-    "runtime": {"algorithms", "engines", "workloads", "workers", "flows", "scheduler", "cli", "reasoning"},
+    "runtime": {"algorithms", "engines", "workloads", "workers", "flows", "scheduler", "cli", "reasoning", "config"},
     "algorithms": {"runtime", "engines", "workloads", "workers", "flows", "scheduler", "cli", "config", "reasoning"},
-    "engines": {"runtime", "workers", "flows", "scheduler", "cli", "reasoning"},
-    "workloads": {"runtime", "workers", "flows", "scheduler", "cli", "reasoning"},
-    "scheduler": {"workers", "flows", "cli", "engines", "workloads", "reasoning"},
+    "engines": {"runtime", "workers", "flows", "scheduler", "cli", "reasoning", "config"},
+    "workloads": {"runtime", "workers", "flows", "scheduler", "cli", "reasoning", "config"},
+    "scheduler": {"workers", "flows", "cli", "engines", "workloads", "reasoning", "config"},
     "workers": {"flows", "planning", "cli", "api", "demo", "preflight"},
     "planning": {"flows", "cli", "api", "demo", "preflight"},  # chooses the plan with workers and the scheduler
     "flows": {"planning", "cli", "api", "demo", "preflight"},  # a flow gets its plan handed in (api -> plan -> flow)

@@ -139,3 +139,11 @@ def test_sac_lag_1_overlaps_collection_with_the_update_on_its_own_device_and_kee
     for spec, _ in lag1:  # every candidate launches the learner as one rank
         assert parse_placement(spec, 2, COMPONENTS)["actor"].world_size == 1, spec
     assert embodied_plans(p, 2, one_learner=True).best.spec == together[0]  # lag 0: the update on both devices wins
+
+
+def test_the_planner_plans_the_components_the_embodied_config_places():
+    """The pure planner names the embodied flow's components itself (it imports no config); they are the config's."""
+    from m2flow import config as C
+    from m2flow.scheduler import embodied as planner
+
+    assert planner.COMPONENTS == C.EmbodiedClusterConfig.COMPONENTS
