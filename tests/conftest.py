@@ -9,6 +9,30 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 
 
+def pytest_sessionstart(session):
+    """The machine the suite runs on, first in its output (with -q too): a suite slowed by something else running
+    beside it (on 2 cores another suite makes every test about 4x slower) says so at the top."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    line = _machine_line()
+    if reporter is not None and line:
+        reporter.write_line(line)
+
+
+def _machine_line() -> str | None:
+    import subprocess
+
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                   "?")
+        ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, timeout=5).stdout.splitlines()
+        others = [line for line in ps if ("pytest" in line or "raylet" in line) and str(os.getpid()) not in line]
+        load = os.getloadavg()
+    except (OSError, subprocess.SubprocessError, StopIteration):
+        return None
+    return (f"m2flow: {cpu}, {len(os.sched_getaffinity(0))} cores, load average {load[0]:.2f} {load[1]:.2f} "
+            f"{load[2]:.2f}; other pytest or Ray processes running: {len(others)}")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` need a CUDA GPU: skipped where torch sees none."""
     import torch
