@@ -6,7 +6,7 @@ STAMP := $(VENV)/.m2flow-installed
 # Every install goes through the lock file: the exact versions the suite last passed with.
 PIP := $(PY) -m pip install -q -c constraints.txt
 
-.PHONY: setup demo test bench lock clean vulkan
+.PHONY: setup demo check test bench lock clean vulkan
 
 setup: $(STAMP)
 
@@ -28,6 +28,13 @@ vulkan:
 
 demo: setup
 	$(VENV)/bin/m2flow demo
+
+# The fast tier, for the development loop: the unit and runtime tiers but their tests marked slow, and one short run
+# of each flow (the reasoning flow's GRPO steps collocated and pipelined, the CartPole PPO preset to a return of 475).
+CHECK_FLOWS := tests/e2e/test_reasoning_flow.py::test_grpo_steps_train_and_sync \
+	tests/e2e/test_embodied_flow.py::test_cartpole_ppo_preset_reaches_475
+check: setup
+	$(PY) -m pytest -q -m "not slow" --durations=5 tests/unit tests/runtime $(CHECK_FLOWS)
 
 # Every failure of a run is shown (no -x), then the 15 slowest tests.
 test: setup

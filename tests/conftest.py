@@ -25,7 +25,8 @@ def _machine_line() -> str | None:
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                    "?")
         ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, timeout=5).stdout.splitlines()
-        others = [line for line in ps if ("pytest" in line or "raylet" in line) and str(os.getpid()) not in line]
+        mine = {str(os.getpid()), str(os.getppid())}  # this session and the shell (make's) that started it
+        others = [line for line in ps[1:] if ("pytest" in line or "raylet" in line) and line.split()[0] not in mine]
         load = os.getloadavg()
     except (OSError, subprocess.SubprocessError, StopIteration):
         return None

@@ -145,6 +145,7 @@ def test_same_process_fifo_by_reference(chan):
         chan._actor = actor
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_hand_over_keeps_each_producers_order(chan, procs):
     chan.put_many([1, 2])  # queued in this process
     later = procs[0].run.remote(lambda ch: ch.put(3), chan)  # another process: the channel moves to the actor

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from own_ray import START_NODES
 
 SCENARIO = r'''
@@ -51,6 +53,7 @@ cluster.shutdown()
 '''
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_tensor_moves_between_two_nodes_bit_identical():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run([sys.executable, "-c", START_NODES + SCENARIO], capture_output=True, text=True, timeout=300, env=env)

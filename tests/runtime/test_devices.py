@@ -78,6 +78,9 @@ def test_a_local_instance_keeps_token_authentication_without_rays_notice_of_it(c
 
     from m2flow.runtime.cluster import _quiet_token_notice
 
+    ours = [f for f in ray_auth.logger.filters if type(f).__name__ == "_DropTokenNotice"]  # a Cluster of the session
+    for f in ours:
+        ray_auth.logger.removeFilter(f)
     with caplog.at_level(logging.WARNING, logger=ray_auth.logger.name):
         ray_auth._warn_token_auth_enabled()
         assert "Token authentication is enabled for this Ray cluster" in caplog.text  # Ray's notice, as Ray logs it

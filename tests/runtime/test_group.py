@@ -107,6 +107,7 @@ def calc(cluster):
     release_all([group])
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_calls_return_per_rank_results_in_rank_order(calc):
     assert calc.world_size == 2 and calc.component == "calc"
     assert calc.add(1).wait(timeout=30) == [101, 102]
@@ -179,6 +180,7 @@ def title_of(pid: int, want: str, within: float = 5.0) -> str:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_worker_processes_are_titled_by_role(cluster, calc):
     """`ps` and `top` tell the workers apart: m2flow:<component>:<rank>, co-hosted ones joined."""
     for rank, info in enumerate(calc.info().wait()):
@@ -193,6 +195,7 @@ def test_worker_processes_are_titled_by_role(cluster, calc):
         asker.kill()
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_ray_names_every_worker_process_by_its_role(cluster):
     """`ray list actors` tells the processes apart too: m2flow:<component>:<rank>:<id>. A released process is reused
     only by the role it was started for, so the name stays true for a later group; another role starts its own."""
@@ -216,6 +219,7 @@ def test_ray_names_every_worker_process_by_its_role(cluster):
         again.kill()
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_at_most_max_idle_processes_are_kept_the_oldest_ended_first(cluster):
     saved = cluster.max_idle_processes, cluster._kept
     cluster.max_idle_processes, cluster._kept = 1, []  # the suite's idle processes set aside
@@ -269,6 +273,7 @@ def test_constructor_error_fails_launch(cluster):
         Group.launch(BadInit, cluster, ComponentPlacement("bad", ((1,),)))
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_launch_all_builds_groups_together_and_names_a_failing_rank(cluster):
     a, b = launch_all(cluster, [(Calc, ComponentPlacement("a", ((0,),)), (10,)),
                                 (Calc, ComponentPlacement("b", ((0,), (1,))), (), {"base": 20})])
@@ -282,6 +287,7 @@ def test_launch_all_builds_groups_together_and_names_a_failing_rank(cluster):
                              (BadInit, ComponentPlacement("bad", ((1,),)), ())])
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_a_group_started_early_is_built_in_the_processes_it_started(cluster):
     """Group.start asks for the processes at once; launch_all(started=...) builds the workers in them, and refuses a
     started group of another class or placement (ending it and the others)."""
@@ -299,6 +305,7 @@ def test_a_group_started_early_is_built_in_the_processes_it_started(cluster):
         other.add(1).wait(timeout=30)
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_foreground_lowers_the_other_groups_processes_for_the_block_only(cluster):
     from m2flow.runtime import foreground
 
@@ -317,6 +324,7 @@ def test_foreground_lowers_the_other_groups_processes_for_the_block_only(cluster
         release_all([front, back])
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_sigkill_surfaces_as_worker_error_and_wait_all_fails_fast(cluster):
     victims = Victim.launch(cluster, ComponentPlacement("victim", ((0,), (1,))))
     try:
@@ -359,6 +367,7 @@ def test_a_worker_that_fails_because_a_worker_it_called_failed_names_that_one(cl
         release_all([caller])
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_kill_returns_once_the_processes_are_dead(cluster):
     # ray.kill only asks; a call made right after Group.kill() must fail every time, never reach a live process
     for attempt in range(3):
@@ -370,6 +379,7 @@ def test_kill_returns_once_the_processes_are_dead(cluster):
         group.kill()  # again: a no-op on dead processes
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_when_several_ranks_fail_the_error_names_the_lowest_and_counts_them(cluster, calc):
     with pytest.raises(WorkerError, match=r"^calc rank 0: fail\(\) raised ValueError: both \(2 of 2 ranks failed\)") as err:
         calc.fail("both").wait(timeout=30)
@@ -390,6 +400,7 @@ def test_when_several_ranks_fail_the_error_names_the_lowest_and_counts_them(clus
         victims.kill()
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_wait_all_with_drain_lets_the_other_calls_end_before_it_raises(calc):
     """Writers of one checkpoint folder: when one fails, the caller removes the folder, so the others must have
     stopped writing first (`drain`). Without it the error comes at once, the other call still running."""
@@ -431,6 +442,7 @@ class Keeper(Calc):
         return payload
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_cohosted_group_lives_in_its_hosts_processes_and_is_called_in_process(cluster):
     place = parse_placement("asker,calc: 0-1", cluster.num_devices, ["asker", "calc"])
     asker = Asker.launch(cluster, place["asker"])
@@ -522,6 +534,7 @@ def test_a_released_group_leaves_clean_processes_that_the_next_group_reuses(clus
     assert _gone(got["pid"]) and cluster.idle_processes == idle + 1
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_a_failed_run_kills_its_groups_and_reuse_can_be_turned_off(cluster, tmp_path):
     place = parse_placement("a: 0-1", cluster.num_devices, ["a"])["a"]
     idle = cluster.idle_processes

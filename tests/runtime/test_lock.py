@@ -44,6 +44,7 @@ def _work_spans(*groups):
     return sorted((s for g in groups for s in g.spans(clear=True) if s["phase"] == "work"), key=lambda s: s["start"])
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_collocated_groups_never_overlap_on_their_device(groups):
     a, b, _ = groups
     _work_spans(a, b)
@@ -167,6 +168,7 @@ kept.shutdown()
 '''
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_dropping_a_cluster_object_leaves_the_device_locks_working(tmp_path):
     """A Cluster made and dropped in the driver (a run without a cluster given) must not take the node's lock server
     down under the next run: it once died "because all references to the actor were removed"."""
@@ -191,6 +193,7 @@ class Gang(Worker):
             return float(t)
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_two_groups_meeting_in_collectives_on_the_same_devices_take_turns_as_groups(cluster):
     # Entries ordered to close the cycle that per-rank locks allow: x0 takes device 0, y1 device 1, then x1 waits for
     # device 1 and y0 for device 0, while x0 and y1 wait in their all-reduces for x1 and y0. As groups: x holds both

@@ -5,6 +5,8 @@ It needs its own Ray instance, so it runs in a subprocess (apart from the sessio
 
 import textwrap
 
+import pytest
+
 from own_ray import START_NODES, run_script
 
 SCRIPT = START_NODES + textwrap.dedent('''
@@ -41,6 +43,7 @@ SCRIPT = START_NODES + textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_ranks_are_placed_on_both_nodes(tmp_path):
     code, out = run_script(SCRIPT, tmp_path, timeout=240)
     assert code == 0 and "MULTINODE OK" in out, out[-4000:]

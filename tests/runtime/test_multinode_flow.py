@@ -4,6 +4,8 @@ subprocess, apart from the session `cluster` fixture, because it needs its own R
 
 import textwrap
 
+import pytest
+
 from own_ray import START_NODES, run_script
 
 SCRIPT = START_NODES + textwrap.dedent('''
@@ -32,6 +34,7 @@ SCRIPT = START_NODES + textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_reasoning_flow_runs_across_two_nodes(tmp_path):
     code, out = run_script(SCRIPT, tmp_path, str(tmp_path), timeout=420)
     assert code == 0 and "TWO NODES OK" in out, out[-4000:]

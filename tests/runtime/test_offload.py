@@ -63,6 +63,7 @@ class Holder(Worker):
         return True
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_worker_offload_frees_ram_and_onload_is_bit_identical(cluster, tmp_path):
     holder = Holder.launch(cluster, ComponentPlacement("holder", ((0,),)), 2048, 3, run_dir=str(tmp_path))
     try:

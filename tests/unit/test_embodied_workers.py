@@ -223,6 +223,7 @@ def test_action_chunks_and_pixels_through_the_workers():
         assert np.isfinite(metrics["actor/pg_loss"]) and metrics["actor/updates"] > 0
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_compiled_update_matches_eager():
     """actor.compile (torch.compile of the minibatch loss) changes speed, not the update: same metrics and weights
     over two iterations with an annealed clip range and a last, smaller minibatch (HalfCheetah, Gaussian policy)."""

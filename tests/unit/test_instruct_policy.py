@@ -21,6 +21,7 @@ def test_instructions_become_word_ids_padded_to_a_fixed_length():
     assert len({tuple(maniskill.tokenize(t)) for t in maniskill.TASKS.values()}) == 3
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_a_multi_task_group_shows_each_env_its_instruction_and_a_padded_state():
     g = EnvGroup(make_env_fns(MULTI, 3, seed=0, instruct=True), env_id=MULTI)
     obs = g.reset(seed=0)

@@ -21,6 +21,7 @@ def group(task: str, n: int = 1, seed: int = 0) -> EnvGroup:
     return EnvGroup(make_env_fns(task, n, seed=seed), env_id=task, seed=seed)
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_the_env_group_reports_success_for_the_experts_demos_and_failure_for_random_actions():
     """The shipped demos (`m2flow demos PickCube-v1 -n 10`) replayed from their reset seeds: the same observations,
     and every episode ends in success at the recorded step. Random actions from the same seeds never succeed."""
@@ -80,6 +81,7 @@ def test_every_task_resets_from_its_seed_and_its_expert_solves_it(task, obs_dim)
                                                                                                    obs_dim)
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_m2flow_demos_writes_a_dataset_with_seeds_and_success(tmp_path):
     out = tmp_path / "push"
     result = subprocess.run([sys.executable, "-m", "m2flow.cli", "demos", "PushCube-v1", "-n", "3", "--seed", "5",
@@ -107,6 +109,7 @@ def test_a_wrong_task_name_lists_the_tasks():
                                      "metaworld/reach-v3)")
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_a_machine_without_a_vulkan_device_gets_a_one_line_error_naming_the_fix(tmp_path):
     env = dict(os.environ, VK_ICD_FILENAMES=str(tmp_path / "no_driver.json"))  # Vulkan's loader finds no driver
     result = subprocess.run([sys.executable, "-m", "m2flow.cli", "train", "ppo_pickcube", f"run.dir={tmp_path}"],

@@ -7,6 +7,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -16,6 +18,7 @@ def run(*cmd, **kw) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_a_wheel_installed_elsewhere_finds_the_presets(tmp_path):
     src = tmp_path / "src"  # a copy of what a wheel is built from, so that the build leaves nothing in the repository
     shutil.copytree(REPO / "m2flow", src / "m2flow", ignore=shutil.ignore_patterns("__pycache__"))

@@ -95,6 +95,7 @@ def test_load_reward_fn():
         load_reward_fn("os:sep")
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_runner_scores_errors_and_timeouts(caplog):
     calls = [("1", "1"), ("raise", "x"), ("2", "3"), ("hang", "x"), ("raise", "y"), ("4", "4")]
     with RewardRunner(flaky_reward, timeout_s=1.0, max_workers=2) as runner:
@@ -112,6 +113,7 @@ def test_runner_scores_errors_and_timeouts(caplog):
         assert _failure_logs(caplog) == 1
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_runner_and_math_verify_work_off_the_main_thread():
     out = {}
 
@@ -148,6 +150,7 @@ def batched_short(prompts, completions, answers):
     return [1.0] * (len(completions) - 1)
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 @pytest.mark.parametrize("timeout_s", [None, 30.0])
 def test_batched_reward_functions_are_told_apart_and_called_once(timeout_s):
     """TRL's form, fn(prompts, completions, answers, **kw) -> list, is one call for the batch; (response, answer)

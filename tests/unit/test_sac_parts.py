@@ -389,6 +389,7 @@ def _same_learners(a, b) -> None:
     assert torch.equal(a.buffer.gen.get_state(), b.buffer.gen.get_state())
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 @pytest.mark.parametrize("case", ["twin", "rlpd_critics", "bc"])
 def test_the_actor_process_takes_the_threaded_steps_bit_for_bit(case, tmp_path):
     """sac.actor_process: the actor's side of the pipelined step in its own process gives the threaded step's
@@ -421,6 +422,7 @@ def test_the_actor_process_takes_the_threaded_steps_bit_for_bit(case, tmp_path):
         proc._close_actor_process()
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_an_error_in_the_actor_process_surfaces_from_the_update_with_its_traceback(monkeypatch, tmp_path):
     """The actor's process failing mid-call (its forward raising, through a sitecustomize on the path it is given),
     or killed between calls: the learner's update raises with the process's traceback or its exit, never hangs, and

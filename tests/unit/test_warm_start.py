@@ -37,6 +37,7 @@ def test_tool_fraction_outside_zero_one_is_refused():
         C.load(C.ReasoningConfig, "agent_calc", ["sft.tool_fraction=1.5"])
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_sft_target_accuracy_from_the_config_ends_the_warm_start_where_greedy_answers_the_held_back_problems(
         tmp_path, capsys):
     """`sft.target_accuracy` (the demo's): the warm start stops at the first check (every `sft.val_every` steps) at
