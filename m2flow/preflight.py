@@ -1,7 +1,12 @@
 """What can be checked about a run before Ray starts, so that a mistake costs a second and reads as one line: the
-placement against the devices the local cluster will have, the model directory, the data file, the reward function,
-the agent's tools, the env id. Each problem raises `m2flow.config.UserError` naming the config field, what it holds and what was
-expected. It starts nothing and writes nothing; the flows check the same things again where they use them.
+cluster address (something that speaks gRPC answers there), the placement against the devices the local cluster will
+have; for the reasoning flow the model (its directory's config and weights' shapes, LoRA's targets, built on the meta
+device), the work against the model's positions and the memory here, the data (the file, or the built-in task's
+problems), the reward function (called on one record) and the agent's tools; for the embodied flow the env (made,
+reset and stepped once), its action space against the algorithm, the envs' split over the env workers and the
+memory of a rollout or a replay buffer. Each problem raises `m2flow.config.UserError` naming the config field, what
+it holds and what was expected. It starts nothing and writes nothing (a user's reward function runs in a child
+process); the flows check the same things again where they use them.
 """
 
 from __future__ import annotations

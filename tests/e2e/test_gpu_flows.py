@@ -16,7 +16,7 @@ from m2flow.flows.reasoning import train
 pytestmark = pytest.mark.cuda
 
 ALL_ON_THE_GPU = "cluster.placement=rollout,reward,inference,actor: 0"
-BF16_LOGPROB_TOLERANCE = 0.05  # as tests/e2e/test_bf16.py (README, bf16)
+BF16_LOGPROB_TOLERANCE = 0.05  # as tests/e2e/test_bf16.py (docs/guide.md, bf16)
 
 
 def run(cluster, tmp_path, name, *overrides) -> list[dict]:
