@@ -128,7 +128,7 @@ class ClusterConfig:
 
 @dataclass
 class RunConfig:
-    name: str = opt("run", "run name: outputs go to <dir>/<name>/")
+    name: str = opt("run", "run name, a plain name (no /): outputs go to <dir>/<name>/")
     dir: str = opt("runs", "parent folder of run directories")
     seed: int = opt(0, "global seed (data order, sampling, init)", within="[0, 2147483647]")
     steps: int = opt(20, "training steps", within="[0, inf)")
@@ -718,7 +718,7 @@ class ReasoningConfig:
 
 @dataclass
 class EmbodiedRunConfig(RunConfig):
-    name: str = opt("ppo", "run name: outputs go to <dir>/<name>/")
+    name: str = opt("ppo", "run name, a plain name (no /): outputs go to <dir>/<name>/")
     steps: int = opt(50, "training iterations: one rollout of rollout.steps per env, then one update",
                      within="[0, inf)")
     stop_return: float | None = opt(None, "stop early once the mean return of the last stop_window episodes reaches this",
