@@ -531,8 +531,8 @@ class AlgorithmConfig:
 
 @dataclass
 class ActorConfig:
-    lr: float = opt(1e-4, "learning rate (measured on the tiny models: 1e-4 raises held-out accuracy, 3e-4 and 5e-4 "
-                          "lower it)", within="(0, inf)")
+    lr: float = opt(1e-4, "the AdamW learning rate of the actor (docs/limitations.md: the tiny models want 2e-4 or "
+                          "less)", within="(0, inf)")
     lr_schedule: str = opt("constant", "constant | cosine")
     warmup_steps: int = opt(0, "linear warm-up steps", within="[0, inf)")
     weight_decay: float = opt(0.0, "AdamW weight decay", within="[0, inf)")
@@ -843,8 +843,8 @@ class EmbodiedActorConfig:
     epochs: int = opt(10, "passes over each rollout", within="[1, inf)")
     minibatch_size: int = opt(64, "samples per gradient step (SB3's batch_size)", within="[1, inf)")
     grad_clip: float = opt(0.5, "max gradient norm", within="(0, inf)")
-    compile: bool = opt(False, "torch.compile the minibatch loss (forward + backward): faster small-MLP updates "
-                                  "after ~10 s of compiling (inductor needs a C++ compiler)")
+    compile: bool = opt(False, "torch.compile the minibatch loss (forward + backward), compiled at the first update "
+                                  "(inductor needs a C++ compiler)")
     nonfinite: str = opt("stop", "a non-finite (NaN/inf) loss or gradient: stop (the update is not applied; the run "
                                  "ends with an error naming the component and the first non-finite tensor) | skip "
                                  "(drop that update, count it in actor/nonfinite_skipped)")
@@ -924,8 +924,8 @@ class SACConfig:
                                    "of them (SB3)", within="[1, inf)")
     actor_q: str = opt("min", "the actor's loss scores its actions with the critics' min (SB3) or mean (REDQ, RLPD)")
     grad: str = opt("auto", "how a gradient step differentiates its losses: manual (SAC's gradients written out for "
-                            "ReLU MLPs, with or without the critics' LayerNorm and the BC term: no autograd graph; "
-                            "13-18% less time a step on CPU, equal to autograd's to float rounding) | autograd | "
+                            "ReLU MLPs, with or without the critics' LayerNorm and the BC term: no autograd graph, "
+                            "equal to autograd's to float rounding) | autograd | "
                             "auto (manual where the networks allow it: a ReLU SquashedGaussian MLP actor)")
     ahead: bool = opt(True, "at max_policy_lag=1: the driver queues the learner's next iteration while it still runs "
                             "this one, and the learner hands its weights back with its result, so that it goes on to "
