@@ -113,7 +113,7 @@ def test_micro_batches_by_tokens_change_the_passes_not_the_update(cluster, tmp_p
     for k in wa:  # Adam moves a weight by up to lr (1e-3) per update, whatever the size of its gradient: a gradient
         # near 0 that rounds otherwise moves it by a share of lr (1.5e-5 on an AVX-512 CPU, one weight of 16384)
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-4)
-    with pytest.raises(C.ConfigError, match="actor.micro_batch_tokens >= 0"):
+    with pytest.raises(C.ConfigError, match="actor.micro_batch_tokens must be >= 0, got -1"):
         make_cfg(tmp_path, "bad", "actor.micro_batch_tokens=-1")
 
 
