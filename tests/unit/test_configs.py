@@ -123,7 +123,7 @@ def test_a_range_reads_as_a_bound_and_help_config_shows_it():
     assert float("nan") not in C.Interval("(-inf, inf)") and 10**400 in C.Interval("[0, inf)")
     rows = {name: text for name, _, text in C.describe(C.ReasoningConfig)}
     assert rows["rollout.top_p"].startswith("[in (0, 1]] nucleus sampling")
-    assert rows["actor.lr"].startswith("[> 0] learning rate")
+    assert rows["actor.lr"].startswith("[> 0] the AdamW learning rate")
     with pytest.raises(C.ConfigError, match=r"^policy.hidden must be >= 1 \(each of them\), got \[64, 0\]$"):
         C.load(C.EmbodiedConfig, None, ["policy.hidden=[64, 0]"])
     with pytest.raises(C.ConfigError, match=r"^actor.lr must be > 0, got nan$"):
