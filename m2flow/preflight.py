@@ -39,11 +39,8 @@ def preflight(cfg) -> None:
     if cfg.model.lora.r:
         _lora_targets(cfg.model.lora, model)
     _generation_fits(cfg, model.config)
-    if cfg.data.task == "file":
-        _data_file(cfg.data)
-    else:
-        _synthetic_data(cfg)
-    _reward_fn(cfg)
+    record = _data_file(cfg.data) if cfg.data.task == "file" else _synthetic_data(cfg)
+    _reward_fn(cfg, record)
     if cfg.agent.tools:
         _tools(cfg.agent)
 
@@ -286,9 +283,9 @@ def _generation_fits(cfg, model_config) -> None:
                           f"lower rollout.prompts_per_step or rollout.n")
 
 
-def _synthetic_data(cfg) -> None:
+def _synthetic_data(cfg) -> dict:
     """The built-in task can draw the distinct problems the run asks for (training, held back for the warm start's
-    target, held out), in the memory available here."""
+    target, held out), in the memory available here; returns the first training problem."""
     from dataclasses import replace
 
     from m2flow.workloads.embodied.replay import FITS, available_bytes
@@ -303,13 +300,14 @@ def _synthetic_data(cfg) -> None:
                           f"GiB, more than {FITS:.0%} of the {free / 2**30:.2f} GiB available here; lower them")
     try:
         task_records(d, cfg.run.seed, "test")
-        task_records(replace(d, train_size=d.train_size + held_back), cfg.run.seed, "train")
+        return task_records(replace(d, train_size=d.train_size + held_back), cfg.run.seed, "train")[0]
     except ValueError as e:
         raise C.UserError(f"data: {e} (data.train_size={d.train_size:,}, sft.val_size held back={held_back}, "
                           f"data.eval_size={d.eval_size:,})") from None
 
 
-def _data_file(data) -> None:
+def _data_file(data) -> dict:
+    """The data file reads as the flow will read it; returns its first record."""
     from m2flow.workloads.reasoning.data import LAYOUTS as LAYOUT_KEYS
     from m2flow.workloads.reasoning.data import load_dataset
 
@@ -320,7 +318,7 @@ def _data_file(data) -> None:
         raise C.UserError(f"data.path: '{data.path}' is a {p.suffix or 'suffix-less'} file; expected "
                           f"{', '.join(DATA_SUFFIXES)}")
     try:  # read as the flow will: columns present, every record with a prompt and an answer
-        load_dataset(data.path, data.prompt_key or None, data.answer_key or None, layout=data.layout)
+        return load_dataset(data.path, data.prompt_key or None, data.answer_key or None, layout=data.layout)[0]
     except (ValueError, OSError) as e:
         keys = LAYOUT_KEYS[data.layout]
         raise C.UserError(f"data.path: {' '.join(str(e).split())} (data.layout='{data.layout}', "
@@ -328,16 +326,16 @@ def _data_file(data) -> None:
                           f"data.answer_key='{data.answer_key or keys['answer_key']}')") from None
 
 
-def _reward_fn(cfg) -> None:
-    """The reward function imported, and a user's own called on one training record of the run's data."""
+def _reward_fn(cfg, record: dict) -> None:
+    """The reward function imported, and a user's own called on `record`, one of the run's training records."""
     from m2flow.workloads.reasoning.rewards import REWARD_FNS, load_reward_fn, try_reward_fn
-    from m2flow.workloads.reasoning.tasks import reward_name, reward_timeout, task_records
+    from m2flow.workloads.reasoning.tasks import reward_name, reward_timeout
 
     name = reward_name(cfg.reward.fn, cfg.data.task)  # `auto`: the task's own reward
     try:
         load_reward_fn(name)
         if name not in REWARD_FNS:
-            try_reward_fn(name, task_records(cfg.data, cfg.run.seed, "train")[0], reward_timeout(name, cfg.reward.timeout_s))
+            try_reward_fn(name, record, reward_timeout(name, cfg.reward.timeout_s))
     except (ValueError, ImportError, AttributeError, TypeError) as e:
         raise C.UserError(f"reward.fn: {e}") from None
 
