@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from m2flow import config as C
-from m2flow.workloads.reasoning.warm_start import prepare_model
+from m2flow.reasoning.warm_start import prepare_model
 from m2flow.runtime import Cluster, launch_all, parse_placement, release_all
 from m2flow.workers.actor import ActorWorker
 from m2flow.workers.inference import InferenceWorker

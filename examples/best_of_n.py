@@ -19,8 +19,8 @@ from m2flow.workers.inference import InferenceWorker
 from m2flow.workers.reward import RewardWorker
 from m2flow.workers.rollout import RolloutWorker
 from m2flow.workers.sync import sync_weights
-from m2flow.workloads.reasoning.tasks import build_datasets
-from m2flow.workloads.reasoning.warm_start import prepare_model
+from m2flow.reasoning.tasks.datasets import build_datasets
+from m2flow.reasoning.warm_start import prepare_model
 
 COMPONENTS = ["rollout", "reward", "select", "inference", "actor"]
 PER_SAMPLE = ("responses", "logprobs", "texts", "finish", "rewards")  # a prompt group's per-answer fields

@@ -168,7 +168,7 @@ def cmd_eval(args) -> int:
 
 def cmd_sft(args) -> int:
     from m2flow import config as C
-    from m2flow.workloads.reasoning.warm_start import sft_model
+    from m2flow.reasoning.warm_start import sft_model
 
     if args.demos is not None:
         return behaviour_clone(args)

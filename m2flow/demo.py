@@ -12,7 +12,7 @@ from m2flow.api import train
 from m2flow.flows.outputs import holds_run, run_dir_claimed
 from m2flow.preflight import preflight
 from m2flow.reasoning.evaluation import evaluate_model
-from m2flow.workloads.reasoning.warm_start import prepare_model
+from m2flow.reasoning.warm_start import prepare_model
 
 
 def run_demo(overrides: list[str] | None = None, cluster=None) -> dict:

@@ -289,7 +289,7 @@ def _synthetic_data(cfg) -> dict:
     from dataclasses import replace
 
     from m2flow.workloads.embodied.replay import FITS, available_bytes
-    from m2flow.workloads.reasoning.tasks import task_records
+    from m2flow.reasoning.tasks.datasets import task_records
 
     d = cfg.data
     held_back = cfg.sft.val_size if cfg.sft.steps and cfg.sft.target_accuracy else 0
@@ -308,8 +308,8 @@ def _synthetic_data(cfg) -> dict:
 
 def _data_file(data) -> dict:
     """The data file reads as the flow will read it; returns its first record."""
-    from m2flow.workloads.reasoning.data import LAYOUTS as LAYOUT_KEYS
-    from m2flow.workloads.reasoning.data import load_dataset
+    from m2flow.reasoning.tasks.data import LAYOUTS as LAYOUT_KEYS
+    from m2flow.reasoning.tasks.data import load_dataset
 
     p = Path(data.path)
     if not p.is_file():
@@ -328,8 +328,8 @@ def _data_file(data) -> dict:
 
 def _reward_fn(cfg, record: dict) -> None:
     """The reward function imported, and a user's own called on `record`, one of the run's training records."""
-    from m2flow.workloads.reasoning.rewards import REWARD_FNS, load_reward_fn, try_reward_fn
-    from m2flow.workloads.reasoning.tasks import reward_name, reward_timeout
+    from m2flow.reasoning.tasks.rewards import REWARD_FNS, load_reward_fn, try_reward_fn
+    from m2flow.reasoning.tasks.datasets import reward_name, reward_timeout
 
     name = reward_name(cfg.reward.fn, cfg.data.task)  # `auto`: the task's own reward
     try:
@@ -341,7 +341,7 @@ def _reward_fn(cfg, record: dict) -> None:
 
 
 def _tools(agent) -> None:
-    from m2flow.workloads.reasoning.tools import Toolbox
+    from m2flow.reasoning.tasks.tools import Toolbox
 
     try:
         Toolbox(agent.tools)

@@ -31,8 +31,8 @@ from m2flow.workers.reward import RewardWorker
 from m2flow.workers.rollout import RolloutWorker
 from m2flow.workers.sync import sync_weights
 from m2flow.workers.tool import ToolWorker
-from m2flow.workloads.reasoning.tasks import build_datasets
-from m2flow.workloads.reasoning.warm_start import prepare_model
+from m2flow.reasoning.tasks.datasets import build_datasets
+from m2flow.reasoning.warm_start import prepare_model
 
 COMPONENTS = ["rollout", "reward", "inference", "actor"]  # + "critic" (algorithm.name=ppo), "tool" (agent.tools)
 PLOTS = {

@@ -15,9 +15,9 @@ from m2flow.runtime import Worker
 from m2flow.runtime.weights import WeightsRef, loaded_digest
 from m2flow.workers.common import finish
 from m2flow.workers.sync import adapter_receiver, load_policy
-from m2flow.workloads.reasoning.rewards import completion_text
-from m2flow.workloads.reasoning.tasks import reward_name, reward_timeout
-from m2flow.workloads.reasoning.tools import AgentHook, Toolbox, final_answer
+from m2flow.reasoning.tasks.rewards import completion_text
+from m2flow.reasoning.tasks.datasets import reward_name, reward_timeout
+from m2flow.reasoning.tasks.tools import AgentHook, Toolbox, final_answer
 
 
 def build_engine(kind: str, model, tokenizer, max_slots: int, max_len: int, tools: bool = False):
@@ -140,7 +140,7 @@ class RolloutWorker(Worker):
     def evaluate(self, problems: list[dict], k: int = 1, step: int | None = None) -> dict:
         """Greedy pass@1 (and sampled pass@k when k > 1) of the weights this worker holds now, over held-out problems
         {prompt_ids, answer}, scored by the run's reward function; `problems` is the number scored."""
-        from m2flow.workloads.reasoning.evaluate import evaluate
+        from m2flow.reasoning.tasks.evaluate import evaluate
 
         name = reward_name(self.cfg.reward.fn, self.cfg.data.task)
         with self.device_phase("evaluate", step):

@@ -6,7 +6,7 @@ default. It runs no model and takes no device lock; each call is traced as a `to
 from __future__ import annotations
 
 from m2flow.runtime import Worker, concurrent
-from m2flow.workloads.reasoning.tools import ToolCall, Toolbox
+from m2flow.reasoning.tasks.tools import ToolCall, Toolbox
 
 
 class ToolWorker(Worker):

@@ -11,7 +11,7 @@ from m2flow.engines.base import SamplingParams
 from m2flow.engines.hf import HFEngine, init_tiny_model, load_model, load_tokenizer
 from m2flow.engines import train as train_mod
 from m2flow.engines.train import collate, sft, token_logprobs, token_logprobs_and_entropy
-from m2flow.workloads.reasoning.synthetic import arithmetic
+from m2flow.reasoning.tasks.synthetic import arithmetic
 
 
 @pytest.fixture(autouse=True, scope="module")

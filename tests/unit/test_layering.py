@@ -57,7 +57,7 @@ def test_imports_point_downward_only():
 
 
 def test_no_flow_imports_another_flow():
-    """The flows share helpers below them (workers/sync.py, workloads/reasoning/warm_start.py) or flows/outputs.py,
+    """The flows share helpers below them (workers/sync.py, reasoning/warm_start.py) or flows/outputs.py,
     never each other."""
     bad = []
     for path in (ROOT / "flows").glob("*.py"):

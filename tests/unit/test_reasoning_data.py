@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from m2flow.engines.hf import build_char_tokenizer
-from m2flow.workloads.reasoning.data import PromptDataset, last_boxed, load_dataset
-from m2flow.workloads.reasoning.rewards import countdown_reward
-from m2flow.workloads.reasoning.synthetic import arithmetic, countdown, make_task, split_of
+from m2flow.reasoning.tasks.data import PromptDataset, last_boxed, load_dataset
+from m2flow.reasoning.tasks.rewards import countdown_reward
+from m2flow.reasoning.tasks.synthetic import arithmetic, countdown, make_task, split_of
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 
@@ -52,7 +52,7 @@ def test_arithmetic_operands_can_have_different_lengths():
 def test_arithmetic_answers_at_one_width_are_zero_padded_and_the_same_problems():
     """`answer_width` pads shorter answers with leading zeros (the demo's 3: 37+45=082) and changes nothing else:
     the same prompts in the same order, the reward checks the padded answer."""
-    from m2flow.workloads.reasoning.rewards import exact_match
+    from m2flow.reasoning.tasks.rewards import exact_match
 
     plain, padded = arithmetic(300, seed=0), arithmetic(300, seed=0, answer_width=3)
     assert [r["prompt"] for r in padded] == [r["prompt"] for r in plain]

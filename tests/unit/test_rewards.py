@@ -7,7 +7,7 @@ import time
 import pytest
 
 from m2flow.engines.hf import build_char_tokenizer
-from m2flow.workloads.reasoning.rewards import (
+from m2flow.reasoning.tasks.rewards import (
     RewardRunner,
     completion_text,
     countdown_reward,
@@ -155,7 +155,7 @@ def batched_short(prompts, completions, answers):
 def test_batched_reward_functions_are_told_apart_and_called_once(timeout_s):
     """TRL's form, fn(prompts, completions, answers, **kw) -> list, is one call for the batch; (response, answer)
     functions stay per completion; a batched call that raises scores all 0 (counted once); a wrong count raises."""
-    from m2flow.workloads.reasoning.rewards import is_batched
+    from m2flow.reasoning.tasks.rewards import is_batched
 
     assert is_batched(batched_lengths) and not is_batched(exact_match)
     with RewardRunner(batched_lengths, timeout_s=timeout_s) as runner:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from m2flow.workloads.reasoning.tools import (MAX_RESULT_CHARS, AgentHook, ToolCall, ToolResult, Toolbox, calc,
+from m2flow.reasoning.tasks.tools import (MAX_RESULT_CHARS, AgentHook, ToolCall, ToolResult, Toolbox, calc,
                                               find_call, format_result, run_python)
 
 

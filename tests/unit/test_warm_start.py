@@ -3,7 +3,7 @@
 import pytest
 
 from m2flow import config as C
-from m2flow.workloads.reasoning.warm_start import sft_pairs
+from m2flow.reasoning.warm_start import sft_pairs
 
 
 def product(prompt: str) -> str:
@@ -45,7 +45,7 @@ def test_sft_target_accuracy_from_the_config_ends_the_warm_start_where_greedy_an
     on, says so, and the model it writes answers them that often."""
     from m2flow.engines.hf import init_tiny_model, load_model, load_tokenizer
     from m2flow.engines.train import exact_match
-    from m2flow.workloads.reasoning.warm_start import sft_model, validation_pairs
+    from m2flow.reasoning.warm_start import sft_model, validation_pairs
 
     cfg = C.load(C.ReasoningConfig, "demo", ["model.tiny_hidden=32", "model.tiny_layers=1", "data.digits=1",
                                              "data.train_size=70", "data.eval_size=10", "sft.steps=400",

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from m2flow.workloads.reasoning.rewards import import_path
+from m2flow.reasoning.tasks.rewards import import_path
 
 __all__ = ["AgentHook", "ToolCall", "ToolResult", "Toolbox", "calc", "final_answer", "find_call", "format_result",
            "load_tool", "run_python", "run_user_tool", "tool_trace"]

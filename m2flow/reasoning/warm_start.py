@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from m2flow.engines.hf import load_tokenizer
-from m2flow.workloads.reasoning.tools import tool_trace
+from m2flow.reasoning.tasks.tools import tool_trace
 
 def prepare_model(cfg, run_path: Path) -> str:
     """The model directory RL starts from: `model.path`, or a tiny model built into the run directory;
@@ -66,7 +66,7 @@ def validation_pairs(cfg) -> list[tuple[str, str]]:
 
 
 def _pairs(cfg) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    from m2flow.workloads.reasoning.tasks import task_records
+    from m2flow.reasoning.tasks.datasets import task_records
 
     held_back = cfg.sft.val_size if cfg.sft.target_accuracy else 0
     if cfg.data.task == "file":

@@ -3,9 +3,9 @@
 Light on purpose (no torch import): reward worker processes import this package.
 """
 
-from m2flow.workloads.reasoning.data import LAYOUTS, PromptDataset, load_dataset
-from m2flow.workloads.reasoning.rewards import REWARD_FNS, RewardRunner, load_reward_fn
-from m2flow.workloads.reasoning.synthetic import TASKS, arithmetic, countdown, make_task
+from m2flow.reasoning.tasks.data import LAYOUTS, PromptDataset, load_dataset
+from m2flow.reasoning.tasks.rewards import REWARD_FNS, RewardRunner, load_reward_fn
+from m2flow.reasoning.tasks.synthetic import TASKS, arithmetic, countdown, make_task
 
 __all__ = [
     "LAYOUTS",

@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-from m2flow.workloads.reasoning.data import PromptDataset, load_dataset
-from m2flow.workloads.reasoning.synthetic import make_task
+from m2flow.reasoning.tasks.data import PromptDataset, load_dataset
+from m2flow.reasoning.tasks.synthetic import make_task
 
 DEFAULT_REWARD = {"arithmetic": "exact_match", "countdown": "countdown", "file": "math_verify"}
 INLINE_REWARDS = ("exact_match", "digit_match", "countdown")  # pure, fast, cannot hang: no subprocess needed

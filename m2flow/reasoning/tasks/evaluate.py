@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from m2flow.engines.base import SamplingParams
-from m2flow.workloads.reasoning.rewards import RewardRunner, completion_text
-from m2flow.workloads.reasoning.tools import final_answer
+from m2flow.reasoning.tasks.rewards import RewardRunner, completion_text
+from m2flow.reasoning.tasks.tools import final_answer
 
 
 def evaluate(engine, tokenizer, items: Sequence[dict], reward_fn: str, k: int = 8, max_new_tokens: int = 8,
