@@ -36,7 +36,7 @@ import transformers
 from m2flow import config as C
 from m2flow.engines.hf import init_tiny_model, load_model, load_tokenizer
 from m2flow.reasoning.evaluation import evaluate_model
-from m2flow.flows.reasoning import train
+from m2flow.reasoning.flow import train
 from m2flow.reasoning.warm_start import sft_model
 from m2flow.reasoning.tasks.rewards import exact_match
 from m2flow.reasoning.tasks.datasets import build_datasets

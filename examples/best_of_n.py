@@ -13,11 +13,11 @@ import time
 from m2flow import config as C
 from m2flow.engines.hf import load_tokenizer
 from m2flow.runtime import Channel, Cluster, Worker, launch_all, parse_placement, running, wait_all
-from m2flow.workers.actor import ActorWorker
+from m2flow.reasoning.workers.actor import ActorWorker
 from m2flow.workers.common import drain, finish
-from m2flow.workers.inference import InferenceWorker
-from m2flow.workers.reward import RewardWorker
-from m2flow.workers.rollout import RolloutWorker
+from m2flow.reasoning.workers.inference import InferenceWorker
+from m2flow.reasoning.workers.reward import RewardWorker
+from m2flow.reasoning.workers.rollout import RolloutWorker
 from m2flow.workers.sync import sync_weights
 from m2flow.reasoning.tasks.datasets import build_datasets
 from m2flow.reasoning.warm_start import prepare_model

@@ -77,7 +77,7 @@ def train(config: Any, overrides: list[str] | None = None, cluster=None) -> Trai
             cfg, plan = choose_plan(cfg, cluster, cfg.run.path)
         # the run's flow alone: the reasoning flow's imports (transformers) take seconds an embodied run never needs
         if reasoning_run:
-            from m2flow.flows import reasoning as flow
+            from m2flow.reasoning import flow
         else:
             from m2flow.flows import embodied as flow
         out = flow.train(cfg, cluster, plan)

@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 
 from m2flow.config import EmbodiedConfig, UserError, place_beside
-from m2flow.planning.profile import components_of, profile_reasoning
+from m2flow.reasoning.profiler import components_of, profile_reasoning
 from m2flow.planning.profile_embodied import profile_embodied
 from m2flow.runtime import Cluster
 from m2flow.scheduler.embodied import COMPONENTS as EMBODIED

@@ -27,7 +27,7 @@ def profile_command(config: str, overrides: list[str], out: str | None = None, b
 
             p = profile_embodied(cfg, cluster, sizes, out, repeats=repeats)
         else:
-            from m2flow.planning.profile import profile_reasoning
+            from m2flow.reasoning.profiler import profile_reasoning
 
             p = profile_reasoning(cfg, cluster, sizes, out, repeats=repeats)
     finally:

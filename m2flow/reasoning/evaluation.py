@@ -45,7 +45,7 @@ def describe_eval_data(data: C.DataConfig, seed: int) -> str:
 
 def evaluate_model(path: str, cfg: C.ReasoningConfig, k: int = 8, limit: int | None = None) -> dict:
     """Greedy pass@1 and sampled pass@k of a model directory on the held-out split of `cfg.data`."""
-    from m2flow.workers.rollout import agent_hook, build_engine
+    from m2flow.reasoning.workers.rollout import agent_hook, build_engine
 
     path = model_dir(path)
     model, tok = load_model(path).eval(), load_tokenizer(path)

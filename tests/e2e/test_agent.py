@@ -9,7 +9,7 @@ import yaml
 
 from m2flow import config as C
 from m2flow.api import train as api_train
-from m2flow.flows.reasoning import train
+from m2flow.reasoning.flow import train
 
 TOOL_TRACE_TOKENS = 44  # <calc>37+45</calc><result>82</result>82 and eos, with room
 

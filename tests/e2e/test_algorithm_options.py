@@ -6,7 +6,7 @@ import json
 import pytest
 
 from m2flow import config as C
-from m2flow.flows.reasoning import train
+from m2flow.reasoning.flow import train
 
 COLLOCATED = ["cluster.placement=rollout,reward,inference,actor: 0-1:0", "reward.fn=reward_fixtures:digit_fraction"]
 

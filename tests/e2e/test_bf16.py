@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from m2flow import config as C
-from m2flow.flows.reasoning import train
+from m2flow.reasoning.flow import train
 
 # README (bf16): the mean |trainer - rollout| logprob per response token on a bf16 run (float32: ~1e-7)
 BF16_LOGPROB_TOLERANCE = 0.05

@@ -9,7 +9,7 @@ import yaml
 from safetensors.torch import load_file
 
 from m2flow import config as C
-from m2flow.flows.reasoning import train
+from m2flow.reasoning.flow import train
 
 COLLOCATED = "cluster.placement=rollout,reward,inference,actor: 0-1:0"
 # every stateful component holds a model: the inference stage the old and reference policies, the actor its optimizer

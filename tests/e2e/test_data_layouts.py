@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from m2flow import config as C
-from m2flow.flows.reasoning import train
+from m2flow.reasoning.flow import train
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GSM8K = FIXTURES / "gsm8k_sample.jsonl"  # 3 questions, one answer "2,500"

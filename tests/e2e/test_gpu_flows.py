@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from m2flow import config as C
 from m2flow.flows.embodied import train as train_embodied
-from m2flow.flows.reasoning import train
+from m2flow.reasoning.flow import train
 
 pytestmark = pytest.mark.cuda
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from m2flow import config as C
 from m2flow.engines.hf import load_model
-from m2flow.flows.reasoning import train
+from m2flow.reasoning.flow import train
 
 
 def run(cluster, tmp_path, name, *overrides):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from m2flow import config as C
-from m2flow.flows.reasoning import train
+from m2flow.reasoning.flow import train
 from test_reasoning_flow import make_cfg, rows, weights
 
 PIPELINED = "cluster.placement=rollout: 0; reward,inference,actor: 1"

@@ -16,7 +16,7 @@ import yaml
 from safetensors.torch import load_file
 
 from m2flow import config as C
-from m2flow.flows.reasoning import train
+from m2flow.reasoning.flow import train
 from m2flow.runtime import WorkerError
 
 KEYS = {"reward/mean", "reward/accuracy", "response/length_mean", "actor/pg_loss", "actor/entropy", "actor/clipfrac",

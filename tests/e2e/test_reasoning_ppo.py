@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from m2flow import config as C
-from m2flow.flows.reasoning import train
+from m2flow.reasoning.flow import train
 
 PPO = ["algorithm.name=ppo", "algorithm.advantage=gae", "critic.lr=1e-4", "reward.fn=reward_fixtures:digit_fraction"]
 

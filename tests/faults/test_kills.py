@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from m2flow import config as C
-from m2flow.flows import embodied, reasoning
+from m2flow.flows import embodied
+from m2flow.reasoning import flow as reasoning
 from m2flow.runtime import Group, WorkerError
 
 REASONING_SPLIT = "cluster.placement=rollout: 0; reward: 0; inference: 1; actor: 1"  # four processes

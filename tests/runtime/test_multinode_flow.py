@@ -13,7 +13,7 @@ SCRIPT = START_NODES + textwrap.dedent('''
     import ray
 
     from m2flow import config as C
-    from m2flow.flows.reasoning import train
+    from m2flow.reasoning.flow import train
     from m2flow.runtime import Cluster
 
     nodes = start_nodes({"num_cpus": 1, "include_dashboard": False}, {"num_cpus": 1})

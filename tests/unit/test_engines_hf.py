@@ -393,7 +393,7 @@ def test_sft_stops_when_greedy_decoding_answers_the_held_back_pairs_as_often(mod
 def test_the_native_engine_hands_a_mixture_of_experts_to_hf_generate(moe_dir):
     """The native engine runs dense Qwen2 and Llama: for another model HF generate takes over with a warning, except
     where multi-turn tool rollouts need the native engine (an error naming why)."""
-    from m2flow.workers.rollout import build_engine
+    from m2flow.reasoning.workers.rollout import build_engine
 
     model, tok = load_model(moe_dir).eval(), load_tokenizer(moe_dir)
     with pytest.warns(UserWarning, match="this one is 'qwen2_moe': generating with HF generate instead"):

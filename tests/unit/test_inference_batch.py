@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from m2flow.workers.inference import groups_to_batch
+from m2flow.reasoning.workers.inference import groups_to_batch
 
 
 def test_groups_become_one_padded_batch_with_each_value_in_its_row_and_column():

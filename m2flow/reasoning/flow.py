@@ -24,13 +24,13 @@ from m2flow.runtime import (Channel, Cluster, foreground, gather_spans, launch_a
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import ExecutionPlan, make_plan
-from m2flow.workers.actor import ActorWorker
-from m2flow.workers.critic import CriticWorker
-from m2flow.workers.inference import InferenceWorker
-from m2flow.workers.reward import RewardWorker
-from m2flow.workers.rollout import RolloutWorker
+from m2flow.reasoning.workers.actor import ActorWorker
+from m2flow.reasoning.workers.critic import CriticWorker
+from m2flow.reasoning.workers.inference import InferenceWorker
+from m2flow.reasoning.workers.reward import RewardWorker
+from m2flow.reasoning.workers.rollout import RolloutWorker
 from m2flow.workers.sync import sync_weights
-from m2flow.workers.tool import ToolWorker
+from m2flow.reasoning.workers.tool import ToolWorker
 from m2flow.reasoning.tasks.datasets import build_datasets
 from m2flow.reasoning.warm_start import prepare_model
 

@@ -23,14 +23,14 @@ from m2flow.engines.hf import load_tokenizer
 from m2flow.planning.probe import Probe, median_rows
 from m2flow.runtime import Channel, Cluster, launch_cohosted, parse_placement, running
 from m2flow.scheduler.profile import ComponentInfo, Machine, Profile, Transfer, Weights
-from m2flow.workers.actor import ActorWorker
+from m2flow.reasoning.workers.actor import ActorWorker
 from m2flow.workers.common import END, drain
-from m2flow.workers.critic import CriticWorker
-from m2flow.workers.inference import InferenceWorker
-from m2flow.workers.reward import RewardWorker
-from m2flow.workers.rollout import RolloutWorker
+from m2flow.reasoning.workers.critic import CriticWorker
+from m2flow.reasoning.workers.inference import InferenceWorker
+from m2flow.reasoning.workers.reward import RewardWorker
+from m2flow.reasoning.workers.rollout import RolloutWorker
 from m2flow.workers.sync import sync_weights
-from m2flow.workers.tool import ToolWorker
+from m2flow.reasoning.workers.tool import ToolWorker
 from m2flow.reasoning.tasks.datasets import build_datasets
 from m2flow.reasoning.warm_start import prepare_model
 
