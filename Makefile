@@ -13,7 +13,7 @@ setup: $(STAMP)
 # torch is pinned to the CPU build on disk and installed first, so nothing pulls a CUDA build.
 # The maniskill extra (ManiSkill3 tasks) comes with the test set-up; SAPIEN needs a Vulkan device (`make vulkan`).
 # Meta-World without its dependencies: it pins mujoco==3.3.0, this project runs MuJoCo 4 (see
-# m2flow/workloads/embodied/metaworld.py).
+# m2flow/embodied/envs/metaworld.py).
 $(STAMP): pyproject.toml constraints.txt scripts/vulkan.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0

@@ -109,7 +109,7 @@ def run_sb3(cfg, threshold: float, stop: bool, threads: int) -> dict:
 
 
 def run_m2flow(cfg, cluster, threshold: float) -> dict:
-    from m2flow.flows.embodied import train
+    from m2flow.embodied.flow import train
 
     start = time.perf_counter()
     result = train(cfg, cluster)
@@ -159,8 +159,8 @@ def update_cost(cfg, repeats: int = 5) -> tuple[float, float]:
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.logger import configure
 
-    from m2flow.workers.embodied_actor import EmbodiedActorWorker, advantages, ppo_update
-    from m2flow.workloads.embodied import Trajectory
+    from m2flow.embodied.workers.actor import EmbodiedActorWorker, advantages, ppo_update
+    from m2flow.embodied.envs import Trajectory
 
     torch.set_num_threads(1)
     T, N = cfg.rollout.steps, cfg.env.num_envs

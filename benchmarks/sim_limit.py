@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from m2flow.workloads.embodied import EnvGroup, make_env_fns, make_vector_env
+from m2flow.embodied.envs import EnvGroup, make_env_fns, make_vector_env
 
 
 def rate(step, actions: list, seconds: float) -> float:

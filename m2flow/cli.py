@@ -183,7 +183,7 @@ def cmd_sft(args) -> int:
 def behaviour_clone(args) -> int:
     from m2flow import api
     from m2flow import config as C
-    from m2flow.flows.embodied import behaviour_clone
+    from m2flow.embodied.flow import behaviour_clone
 
     cfg = api.load_config(args.model, args.overrides)
     if not isinstance(cfg, C.EmbodiedConfig):
@@ -215,7 +215,7 @@ def cmd_init_model(args) -> int:
 def cmd_demos(args) -> int:
     from m2flow.config import UserError
     from m2flow.flows.outputs import progress
-    from m2flow.workloads.embodied import experts, maniskill
+    from m2flow.embodied.envs import experts, maniskill
 
     try:
         experts.check_task(args.task)

@@ -253,7 +253,7 @@ RECORD_BYTES = 1024  # a synthetic problem as Python objects (prompt, answer, ex
 def _generation_fits(cfg, model_config) -> None:
     """The longest sequence a run may decode fits the model's positions; the KV cache of the rollout's concurrent
     sequences (on a machine without GPUs: host memory) and a step's samples fit the memory available here."""
-    from m2flow.workloads.embodied.replay import FITS, available_bytes
+    from m2flow.embodied.sac.replay import FITS, available_bytes
 
     mc = model_config.to_dict()
     where = f"{cfg.model.path}/config.json" if cfg.model.path else "the tiny model"
@@ -288,7 +288,7 @@ def _synthetic_data(cfg) -> dict:
     target, held out), in the memory available here; returns the first training problem."""
     from dataclasses import replace
 
-    from m2flow.workloads.embodied.replay import FITS, available_bytes
+    from m2flow.embodied.sac.replay import FITS, available_bytes
     from m2flow.reasoning.tasks.datasets import task_records
 
     d = cfg.data
@@ -355,8 +355,8 @@ def _env_spaces(cfg) -> None:
     import numpy as np
     from gymnasium import spaces
 
-    from m2flow.workers.env import make_env_group
-    from m2flow.workloads.embodied import maniskill
+    from m2flow.embodied.workers.env import make_env_group
+    from m2flow.embodied.envs import maniskill
 
     if maniskill.is_maniskill(cfg.env.id.split(",")[0]):
         return
@@ -392,7 +392,7 @@ def _rollout_buffer(cfg, obs, act) -> None:
     and the actor at once, against the memory available here."""
     import numpy as np
 
-    from m2flow.workloads.embodied.replay import FITS, available_bytes
+    from m2flow.embodied.sac.replay import FITS, available_bytes
 
     step = 4 * (int(np.prod(obs.shape)) + max(int(np.prod(act.shape or (1,))), 1) + 6)
     steps = cfg.env.num_envs * cfg.rollout.steps
@@ -405,7 +405,7 @@ def _rollout_buffer(cfg, obs, act) -> None:
 
 def _replay_buffer(cfg, obs: tuple, act: tuple) -> None:
     """SAC's replay buffer against the memory available here."""
-    from m2flow.workloads.embodied.replay import FITS, ReplayBuffer, available_bytes
+    from m2flow.embodied.sac.replay import FITS, ReplayBuffer, available_bytes
 
     need, free = ReplayBuffer.bytes_needed(cfg.sac.buffer_size, obs, act), available_bytes()
     if need > FITS * free:
@@ -419,7 +419,7 @@ def _env_id(env_id: str) -> None:
 
     import gymnasium as gym
 
-    from m2flow.workloads.embodied.envs import check_env_id
+    from m2flow.embodied.envs.group import check_env_id
 
     if ":" in env_id:
         module, _, name = env_id.partition(":")
@@ -434,7 +434,7 @@ def _env_id(env_id: str) -> None:
         check_env_id(env_id)
     except ValueError as e:
         raise C.UserError(f"env.id: {e}") from None
-    from m2flow.workloads.embodied import maniskill
+    from m2flow.embodied.envs import maniskill
 
     if maniskill.is_maniskill(env_id):  # the package and a Vulkan device, before any worker starts
         try:

@@ -23,7 +23,7 @@ def profile_command(config: str, overrides: list[str], out: str | None = None, b
         sizes = [int(s) for s in batches.split(",")] if batches else None
         start = time.perf_counter()
         if flow == "embodied":  # batches are env counts
-            from m2flow.planning.profile_embodied import profile_embodied
+            from m2flow.embodied.profiler import profile_embodied
 
             p = profile_embodied(cfg, cluster, sizes, out, repeats=repeats)
         else:

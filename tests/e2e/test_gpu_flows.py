@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from m2flow import config as C
-from m2flow.flows.embodied import train as train_embodied
+from m2flow.embodied.flow import train as train_embodied
 from m2flow.reasoning.flow import train
 
 pytestmark = pytest.mark.cuda

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from m2flow import config as C
-from m2flow.flows.embodied import train
-from m2flow.workers.sac_learner import SACLearnerWorker
+from m2flow.embodied.flow import train
+from m2flow.embodied.sac.learner import SACLearnerWorker
 
 SEED, STEPS = 3, 2  # m2flow iterations: 4 envs x 16 steps each
 
@@ -109,7 +109,7 @@ def _twin_of_m2flow(bench, model, cfg, monkeypatch):
     observations')."""
     from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
-    from m2flow.workers.policy import make_policy, noise_seed, sample_actions
+    from m2flow.embodied.workers.policy import make_policy, noise_seed, sample_actions
 
     seed, warm_up, n_envs = cfg.run.seed, model._sample_action, model.n_envs
     policy = make_policy(cfg, model.observation_space, model.action_space).eval()

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from m2flow import config as C
 from m2flow.cli import main
-from m2flow.flows.embodied import evaluate_checkpoint, train
+from m2flow.embodied.flow import evaluate_checkpoint, train
 from m2flow.runtime import WorkerError
 
 

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from m2flow import config as C
-from m2flow.flows import embodied
+from m2flow.embodied import flow as embodied
 from m2flow.reasoning import flow as reasoning
 
 STEPS = 40

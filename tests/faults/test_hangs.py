@@ -6,7 +6,7 @@ import time
 import pytest
 
 from m2flow import config as C
-from m2flow.flows import embodied
+from m2flow.embodied import flow as embodied
 from m2flow.runtime import WorkerError
 
 

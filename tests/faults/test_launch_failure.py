@@ -6,7 +6,7 @@ import pytest
 import ray
 
 from m2flow import config as C
-from m2flow.flows import embodied
+from m2flow.embodied import flow as embodied
 from m2flow.runtime import Group
 
 

@@ -1,12 +1,12 @@
-"""Behaviour cloning's data and fit (m2flow/workloads/embodied/bc.py), on hand-made demonstrations."""
+"""Behaviour cloning's data and fit (m2flow/embodied/bc.py), on hand-made demonstrations."""
 
 import numpy as np
 import pytest
 import torch
 from gymnasium import spaces
 
-from m2flow.workloads.embodied import MLPActorCritic
-from m2flow.workloads.embodied.bc import bc_dataset, fit
+from m2flow.embodied.policies import MLPActorCritic
+from m2flow.embodied.bc import bc_dataset, fit
 
 SUMMARY = {"task": "Toy-v0", "episodes": [{"success": True}, {"success": False}, {"success": True}]}
 ARRAYS = {"obs": np.arange(7, dtype=np.float32)[:, None] * [1.0, -1.0],
@@ -46,8 +46,8 @@ def test_rl_from_a_cloned_policy_starts_at_its_std_times_init_std_scale(tmp_path
     from safetensors.torch import save_file
 
     from m2flow import config as C
-    from m2flow.workers.embodied_actor import EmbodiedActorWorker
-    from m2flow.workers.policy import make_policy
+    from m2flow.embodied.workers.actor import EmbodiedActorWorker
+    from m2flow.embodied.workers.policy import make_policy
 
     cfg = C.load(C.EmbodiedConfig, "ppo_pickcube", [])
     obs_space, action_space = spaces.Box(-np.inf, np.inf, (42,)), spaces.Box(-1, 1, (4,))
@@ -75,7 +75,7 @@ def test_sacs_squashed_actor_clones_a_bang_bang_dimension_at_every_state():
     gradient shrinks with the state's own std, got all 48 "closed" rows wrong here; this fit none), with the log std
     well inside the clamp; log pi's value is the squashed Gaussian's of the pulled-in action."""
     from m2flow.algorithms.sac import squashed_gaussian_logprob
-    from m2flow.workloads.embodied.policies import SquashedGaussianActor
+    from m2flow.embodied.policies import SquashedGaussianActor
 
     gen = torch.Generator().manual_seed(0)
     obs = torch.rand(600, 3, generator=gen) * 2 - 1
@@ -102,8 +102,8 @@ def test_sac_from_a_cloned_actor_starts_at_its_std_times_init_std_scale(tmp_path
     from safetensors.torch import save_file
 
     from m2flow import config as C
-    from m2flow.workers.policy import make_policy
-    from m2flow.workers.sac_learner import SACLearnerWorker
+    from m2flow.embodied.workers.policy import make_policy
+    from m2flow.embodied.sac.learner import SACLearnerWorker
 
     obs_space, action_space = spaces.Box(-np.inf, np.inf, (42,)), spaces.Box(-1, 1, (4,))
     cloned = make_policy(C.load(C.EmbodiedConfig, "rlpd_pickcube", []), obs_space, action_space)
@@ -125,9 +125,9 @@ def test_a_behaviour_cloning_term_beside_the_rl_loss_pulls_the_policy_to_the_dem
     from pathlib import Path
 
     from m2flow import config as C
-    from m2flow.workers.embodied_actor import EmbodiedActorWorker
-    from m2flow.workloads.embodied import Trajectory
-    from m2flow.workloads.embodied.bc import demo_data
+    from m2flow.embodied.workers.actor import EmbodiedActorWorker
+    from m2flow.embodied.envs import Trajectory
+    from m2flow.embodied.bc import demo_data
 
     demos = Path(__file__).resolve().parents[1] / "fixtures" / "demos" / "PickCube-v1"
     obs_space, action_space = spaces.Box(-np.inf, np.inf, (42,)), spaces.Box(-1, 1, (4,))

@@ -3,7 +3,7 @@
 import pytest
 
 from m2flow import config as C
-from m2flow.flows import embodied
+from m2flow.embodied import flow as embodied
 from m2flow.reasoning import flow as reasoning
 from m2flow.scheduler.plan import make_plan
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 from gymnasium import spaces
 
-from m2flow.workloads.embodied import (EnvGroup, ObsNormalizer, RewardScaler, RunningMeanStd, Trajectory,
-                                       build_policy, collect_lockstep, make_env_fns, make_vector_env,
-                                       summarize_episodes)
+from m2flow.embodied.envs import EnvGroup, ObsNormalizer, RewardScaler, RunningMeanStd, Trajectory, collect_lockstep, make_env_fns, make_vector_env, summarize_episodes
+from m2flow.embodied.policies import build_policy
 
 TOY = "m2flow-test/Toy-v0"  # time limit 5
 
@@ -384,6 +383,29 @@ def test_a_snapshot_continues_episodes_where_they_were_and_views_see_the_restore
     other = EnvGroup.make("Pendulum-v1", 2, seed=5)
     with pytest.raises(ValueError, match="holds 4 envs of Pendulum-v1, this group 2"):
         other.restore(blob)
+
+
+def test_a_snapshot_written_before_the_embodied_wing_moved_still_restores():
+    """Snapshots written when these modules lived in m2flow.workloads.embodied name their classes there: a resume
+    from such a checkpoint maps the old names to the new (a plain unpickler cannot import them)."""
+    import pickle
+
+    group = EnvGroup.make("Pendulum-v1", 2, seed=5, norm_obs=True)
+    group.reset()
+    rng = np.random.default_rng(0)
+    acts = [rng.uniform(-2, 2, (2, 1)).astype(np.float32) for _ in range(6)]
+    for a in acts[:3]:
+        group.step(a)
+    old = pickle.dumps(pickle.loads(group.snapshot()), protocol=0)  # protocol 0 names each class's module as text
+    for new, before in (("m2flow.embodied.envs.group", "m2flow.workloads.embodied.envs"),
+                        ("m2flow.embodied.envs.normalize", "m2flow.workloads.embodied.normalize")):
+        assert new.encode() in old
+        old = old.replace(new.encode(), before.encode())
+    with pytest.raises(ModuleNotFoundError, match="m2flow.workloads"):
+        pickle.loads(old)
+    ahead = [group.step(a).obs for a in acts[3:]]
+    group.restore(old)
+    assert all(np.array_equal(x, group.step(a).obs) for x, a in zip(ahead, acts[3:]))
 
 
 def test_a_mujoco_snapshot_carries_the_simulator_state_that_pickling_loses():

@@ -10,11 +10,11 @@ from gymnasium import spaces
 from torch.distributions import Categorical, Normal
 
 from m2flow import config as C
-from m2flow.flows.embodied import evaluate_checkpoint
-from m2flow.workers.embodied_actor import EmbodiedActorWorker, advantages, load_policy
-from m2flow.workers.env import EnvWorker, make_env_group
-from m2flow.workers.policy import PolicyWorker, make_policy, sample_actions
-from m2flow.workloads.embodied import Trajectory, collect_lockstep
+from m2flow.embodied.flow import evaluate_checkpoint
+from m2flow.embodied.workers.actor import EmbodiedActorWorker, advantages, load_policy
+from m2flow.embodied.workers.env import EnvWorker, make_env_group
+from m2flow.embodied.workers.policy import PolicyWorker, make_policy, sample_actions
+from m2flow.embodied.envs import Trajectory, collect_lockstep
 
 NAN_ENV = "m2flow-test/NaNAtStep7-v0"
 
@@ -437,7 +437,7 @@ def test_config_errors_are_clear():
 
 def test_gradients_accumulate_into_one_flat_buffer_and_clip_like_torch():
     """flat_grads: backward writes into the buffer's views; the update's clipping equals clip_grad_norm_."""
-    from m2flow.workers.embodied_actor import flat_grads
+    from m2flow.embodied.workers.actor import flat_grads
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))

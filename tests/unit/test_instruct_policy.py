@@ -8,7 +8,8 @@ import torch
 from gymnasium import spaces
 
 from m2flow import config as C
-from m2flow.workloads.embodied import EnvGroup, build_policy, make_env_fns, maniskill
+from m2flow.embodied.envs import EnvGroup, make_env_fns, maniskill
+from m2flow.embodied.policies import build_policy
 
 MULTI = "PickCube-v1,PushCube-v1,StackCube-v1"
 

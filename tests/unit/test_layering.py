@@ -135,6 +135,6 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     """Modules that import each other, even lazily (m2flow.api and m2flow.demo once did; reasoning/profiler.py and
-    planning/profile_embodied.py too), cannot be read or moved one at a time."""
+    embodied/profiler.py too), cannot be read or moved one at a time."""
     assert import_cycles(module_graph()) == []
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the checker sees one

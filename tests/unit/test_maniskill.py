@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from m2flow.workloads.embodied import EnvGroup, check_env_id, make_env_fns
-from m2flow.workloads.embodied import experts, maniskill
+from m2flow.embodied.envs import EnvGroup, check_env_id, make_env_fns
+from m2flow.embodied.envs import experts, maniskill
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "demos" / "PickCube-v1"
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from m2flow.workloads.embodied import EnvGroup, check_env_id, experts, make_env_fns, metaworld
+from m2flow.embodied.envs import EnvGroup, check_env_id, experts, make_env_fns, metaworld
 
 
 def group(task: str, n: int = 1, seed: int = 0, **kwargs) -> EnvGroup:

@@ -9,7 +9,7 @@ import torch
 from gymnasium import spaces
 from torch.distributions import Categorical, Normal
 
-from m2flow.workloads.embodied import CNNActorCritic, MLPActorCritic, build_policy
+from m2flow.embodied.policies import CNNActorCritic, MLPActorCritic, build_policy
 
 BOX = spaces.Box(-1.0, 1.0, (6,), np.float32)
 DISCRETE = spaces.Discrete(3)

@@ -4,8 +4,8 @@ and the clear error of a buffer that does not fit in memory."""
 import pytest
 import torch
 
-from m2flow.workloads.embodied import Trajectory
-from m2flow.workloads.embodied.replay import ReplayBuffer, transitions
+from m2flow.embodied.envs import Trajectory
+from m2flow.embodied.sac.replay import ReplayBuffer, transitions
 
 
 def rows(lo: int, n: int, obs_dim: int = 2) -> dict[str, torch.Tensor]:

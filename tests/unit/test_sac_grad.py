@@ -9,8 +9,8 @@ from gymnasium import spaces
 from m2flow.algorithms import actor_loss, critic_loss
 from m2flow.algorithms.sac_grad import (bc_grad, critics_action_grad, critics_loss_grads, mlp_layers, squashed_grads,
                                         squashed_sample)
-from m2flow.workloads.embodied import Critics
-from m2flow.workloads.embodied.policies import SquashedGaussianActor
+from m2flow.embodied.policies import Critics
+from m2flow.embodied.policies import SquashedGaussianActor
 
 OBS, ACT, ROWS = 5, 3, 32
 

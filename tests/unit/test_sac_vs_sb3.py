@@ -11,7 +11,7 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from torch import nn
 
 from m2flow import config as C
-from m2flow.workers.sac_learner import SACLearnerWorker
+from m2flow.embodied.sac.learner import SACLearnerWorker
 
 STEPS, BATCH = 30, 64
 

@@ -4,7 +4,7 @@ optimum is known: balanced env and policy times -> the 2-stage hybrid wins; a ti
 import pytest
 
 from m2flow.runtime.placement import parse_placement
-from m2flow.scheduler.embodied import COMPONENTS, embodied_plans
+from m2flow.embodied.plans import COMPONENTS, embodied_plans
 from m2flow.scheduler.profile import Profile
 
 
@@ -144,6 +144,6 @@ def test_sac_lag_1_overlaps_collection_with_the_update_on_its_own_device_and_kee
 def test_the_planner_plans_the_components_the_embodied_config_places():
     """The pure planner names the embodied flow's components itself (it imports no config); they are the config's."""
     from m2flow import config as C
-    from m2flow.scheduler import embodied as planner
+    from m2flow.embodied import plans as planner
 
     assert planner.COMPONENTS == C.EmbodiedClusterConfig.COMPONENTS

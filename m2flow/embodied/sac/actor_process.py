@@ -116,7 +116,7 @@ class ActorProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from m2flow.workers.sac_actor_process import child; "
+            [sys.executable, "-c", "import sys; from m2flow.embodied.sac.actor_process import child; "
                                    "child(*map(int, sys.argv[1:]))", str(os.getpid()), *map(str, fds)],
             pass_fds=fds, env=env)
         for fd in (ours[0], theirs[1]):

@@ -21,10 +21,10 @@ from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.weights import publish
 from m2flow.workers.guards import check_weight_growth, first_nonfinite, nonfinite_update, sum_of_squares
-from m2flow.workers.policy import make_policy
+from m2flow.embodied.workers.policy import make_policy
 from m2flow.workers.sync import PublishesWeights
-from m2flow.workloads.embodied import Trajectory
-from m2flow.workloads.embodied.bc import demo_data
+from m2flow.embodied.envs import Trajectory
+from m2flow.embodied.bc import demo_data
 
 
 def advantages(traj: Trajectory, cfg, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:

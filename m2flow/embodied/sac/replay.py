@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from .envs import Trajectory
+from m2flow.embodied.envs import Trajectory
 
 FIELDS = ("obs", "actions", "rewards", "next_obs", "terminated")
 FITS = 0.8  # the largest share of the available memory a buffer may take

@@ -32,10 +32,10 @@ from m2flow.scheduler.profile import (
     Transfer,
     Weights,
 )
-from m2flow.workers.embodied_actor import EmbodiedActorWorker
-from m2flow.workers.env import EnvWorker
-from m2flow.workers.policy import PolicyWorker
-from m2flow.workers.sac_learner import SACLearnerWorker
+from m2flow.embodied.workers.actor import EmbodiedActorWorker
+from m2flow.embodied.workers.env import EnvWorker
+from m2flow.embodied.workers.policy import PolicyWorker
+from m2flow.embodied.sac.learner import SACLearnerWorker
 from m2flow.workers.sync import sync_weights
 
 COMPONENTS = EmbodiedClusterConfig.COMPONENTS  # env, rollout, actor

@@ -33,14 +33,15 @@ from m2flow.engines.optim import FusedAdamStep
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.weights import publish
-from m2flow.workers.embodied_actor import load_policy, start_policy
+from m2flow.embodied.workers.actor import load_policy, start_policy
 from m2flow.workers.guards import nonfinite_update
-from m2flow.workers.policy import make_policy
-from m2flow.workers.sac_actor_process import ActorProcess
+from m2flow.embodied.workers.policy import make_policy
+from m2flow.embodied.sac.actor_process import ActorProcess
 from m2flow.workers.sync import PublishesWeights
-from m2flow.workloads.embodied import Critics, Trajectory
-from m2flow.workloads.embodied.bc import demo_transitions
-from m2flow.workloads.embodied.replay import ReplayBuffer, transitions
+from m2flow.embodied.envs import Trajectory
+from m2flow.embodied.policies import Critics
+from m2flow.embodied.bc import demo_transitions
+from m2flow.embodied.sac.replay import ReplayBuffer, transitions
 
 REPLAY_FILE = "replay.safetensors"  # in a checkpoint: the online buffer (sac.save_buffer)
 STATS = ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/entropy", "sac/q_mean", "sac/bc_loss")

@@ -241,7 +241,7 @@ def build_policy(obs_space: spaces.Box, action_space: spaces.Space, kind: str = 
     if kind == "mlp":
         return MLPActorCritic(int(np.prod(obs_space.shape)), action_space, **kw)
     if kind == "instruct":
-        from .maniskill import INSTRUCTION_TOKENS, VOCAB
+        from .envs.maniskill import INSTRUCTION_TOKENS, VOCAB
 
         return InstructActorCritic(int(np.prod(obs_space.shape)), action_space, tokens=INSTRUCTION_TOKENS,
                                    vocab=len(VOCAB), **kw)

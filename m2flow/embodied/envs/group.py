@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import difflib
 import functools
+import io
 import logging
 import math
 import os
+import pickle
 from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
@@ -31,6 +33,18 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from . import maniskill, metaworld
 from .normalize import ObsNormalizer, RewardScaler
+
+# where this package's modules lived before the embodied wing: a snapshot written then names them so
+MOVED = {"m2flow.workloads.embodied.envs": __name__, "m2flow.workloads.embodied.normalize": f"{__package__}.normalize",
+         "m2flow.workloads.embodied.maniskill": f"{__package__}.maniskill",
+         "m2flow.workloads.embodied.metaworld": f"{__package__}.metaworld"}
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads a snapshot whose classes carry their module's former name (MOVED)."""
+
+    def find_class(self, module: str, name: str):
+        return super().find_class(MOVED.get(module, module), name)
 
 # --- factory ---
 
@@ -474,7 +488,6 @@ class EnvGroup:
         state (MuJoCo's integration state) and RNG go beside them. None where an env cannot be captured: it does
         not pickle (a simulator behind native handles, as ManiSkill's), or it is another EzPickle env (Meta-World's
         keep task state outside the simulator)."""
-        import pickle
 
         extras = []
         for env in self._s.envs:
@@ -492,9 +505,7 @@ class EnvGroup:
     def restore(self, blob: bytes) -> None:
         """Continue from a `snapshot` of a group of the same envs: this group's envs are closed and replaced, in
         place, so that the stage views `split` made of it see the restored state too."""
-        import pickle
-
-        state, extras = pickle.loads(blob)
+        state, extras = _Unpickler(io.BytesIO(blob)).load()
         if len(state.envs) != len(self._s.envs) or state.env_id != self._s.env_id:
             raise ValueError(f"{self.env_id}: the snapshot holds {len(state.envs)} envs of {state.env_id}, this group "
                              f"{len(self._s.envs)} of {self._s.env_id}")

@@ -26,12 +26,12 @@ from m2flow.runtime import Channel, Cluster, Group, foreground, launch_all, runn
 from m2flow.runtime.files import load_plain
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 from m2flow.scheduler.plan import ExecutionPlan, make_plan
-from m2flow.workers.embodied_actor import EmbodiedActorWorker, load_policy
-from m2flow.workers.env import EnvWorker, make_env_group, video_recorder, wait_rollout
-from m2flow.workers.policy import PolicyWorker, make_policy
-from m2flow.workers.sac_learner import REPLAY_FILE, SACLearnerWorker
+from m2flow.embodied.workers.actor import EmbodiedActorWorker, load_policy
+from m2flow.embodied.workers.env import EnvWorker, make_env_group, video_recorder, wait_rollout
+from m2flow.embodied.workers.policy import PolicyWorker, make_policy
+from m2flow.embodied.sac.learner import REPLAY_FILE, SACLearnerWorker
 from m2flow.workers.sync import finish_sync, load_published, start_sync, sync_weights
-from m2flow.workloads.embodied import maniskill
+from m2flow.embodied.envs import maniskill
 
 COMPONENTS = list(C.EmbodiedClusterConfig.COMPONENTS)  # env, rollout, actor
 PLOTS = {
@@ -277,7 +277,7 @@ def behaviour_clone(cfg: EmbodiedConfig, demos: str | Path, out: str | Path, ste
     demos used) and eval.json (`cfg.eval.episodes` deterministic episodes from held-out seeds). In this process."""
     from safetensors.torch import save_file
 
-    from m2flow.workloads.embodied.bc import demo_data, fit
+    from m2flow.embodied.bc import demo_data, fit
 
     if cfg.env.norm_obs:
         raise ValueError("behaviour cloning with env.norm_obs=true is not supported yet (the RL run would normalize "

@@ -51,8 +51,8 @@ def _datasets(demos: str, env_id: str, instruct: bool):
     """(summary, arrays) of each demonstration directory in `demos` (comma-separated), checked against the config's
     `env_id`, the observations as the policy sees them (`instruct`: the instruction's words, then the state
     padded)."""
-    from . import maniskill
-    from .experts import load_demos
+    from .envs import maniskill
+    from .envs.experts import load_demos
 
     tasks = maniskill.task_ids(env_id)
     for where in demos.split(","):
