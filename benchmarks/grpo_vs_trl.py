@@ -37,9 +37,9 @@ from m2flow import config as C
 from m2flow.engines.hf import init_tiny_model, load_model, load_tokenizer
 from m2flow.reasoning.evaluation import evaluate_model
 from m2flow.reasoning.flow import train
-from m2flow.reasoning.warm_start import sft_model
-from m2flow.reasoning.tasks.rewards import exact_match
 from m2flow.reasoning.tasks.datasets import build_datasets
+from m2flow.reasoning.tasks.rewards import exact_match
+from m2flow.reasoning.warm_start import sft_model
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 PLANS = {  # name -> cluster.placement over D CPU devices of equal core slices (D = --cpu-devices, default 2)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from m2flow import config as C
 from m2flow.reasoning.warm_start import prepare_model
-from m2flow.runtime import Cluster, launch_all, parse_placement, release_all
 from m2flow.reasoning.workers.actor import ActorWorker
 from m2flow.reasoning.workers.inference import InferenceWorker
 from m2flow.reasoning.workers.reward import RewardWorker
 from m2flow.reasoning.workers.rollout import RolloutWorker
+from m2flow.runtime import Cluster, launch_all, parse_placement, release_all
 
 
 def main() -> None:

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from m2flow import config as C
-from m2flow.runtime import Channel, Cluster, parse_placement, plot_timeline, wait_all, write_chrome_trace
 from m2flow.embodied.workers.env import EnvWorker, make_env_group
 from m2flow.embodied.workers.policy import PolicyWorker, make_policy
+from m2flow.runtime import Channel, Cluster, parse_placement, plot_timeline, wait_all, write_chrome_trace
 
 ROWS = [("lockstep, collocated", "env,rollout: 0", 1, False),
         ("lockstep, collocated, policy in the env's process", "env,rollout: 0", 1, True),  # the flow's choice

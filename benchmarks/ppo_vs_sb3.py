@@ -159,8 +159,8 @@ def update_cost(cfg, repeats: int = 5) -> tuple[float, float]:
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.logger import configure
 
-    from m2flow.embodied.workers.actor import EmbodiedActorWorker, advantages, ppo_update
     from m2flow.embodied.envs import Trajectory
+    from m2flow.embodied.workers.actor import EmbodiedActorWorker, advantages, ppo_update
 
     torch.set_num_threads(1)
     T, N = cfg.rollout.steps, cfg.env.num_envs

@@ -115,8 +115,8 @@ def common_start(model, seed: int) -> None:
     import torch
 
     from m2flow import config as C
-    from m2flow.embodied.workers.policy import noise_seed, uniform_actions
     from m2flow.embodied.sac.learner import SACLearnerWorker
+    from m2flow.embodied.workers.policy import noise_seed, uniform_actions
 
     # the learner's weights do not depend on its buffer's capacity (it is built after them): one row, not the preset's
     its = C.load(C.EmbodiedConfig, PRESET, [*SETTINGS, f"run.seed={seed}", "sac.buffer_size=1"])

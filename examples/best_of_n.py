@@ -12,15 +12,15 @@ import time
 
 from m2flow import config as C
 from m2flow.engines.hf import load_tokenizer
-from m2flow.runtime import Channel, Cluster, Worker, launch_all, parse_placement, running, wait_all
+from m2flow.reasoning.tasks.datasets import build_datasets
+from m2flow.reasoning.warm_start import prepare_model
 from m2flow.reasoning.workers.actor import ActorWorker
-from m2flow.workers.common import drain, finish
 from m2flow.reasoning.workers.inference import InferenceWorker
 from m2flow.reasoning.workers.reward import RewardWorker
 from m2flow.reasoning.workers.rollout import RolloutWorker
-from m2flow.workers.sync import sync_weights
-from m2flow.reasoning.tasks.datasets import build_datasets
-from m2flow.reasoning.warm_start import prepare_model
+from m2flow.runtime import Channel, Cluster, Worker, launch_all, parse_placement, running, wait_all
+from m2flow.runtime.stream import drain, finish
+from m2flow.runtime.sync import sync_weights
 
 COMPONENTS = ["rollout", "reward", "select", "inference", "actor"]
 PER_SAMPLE = ("responses", "logprobs", "texts", "finish", "rewards")  # a prompt group's per-answer fields

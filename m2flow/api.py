@@ -58,8 +58,8 @@ def train(config: Any, overrides: list[str] | None = None, cluster=None) -> Trai
     flow: the one `cluster.placement` names, or with `auto` the fastest the planner predicts from a profile of this
     run's components (profile.json, plan_candidates.txt and, after training, plan_report.json in the run directory)."""
     from m2flow import config as C
-    from m2flow.flows.outputs import run_dir_claimed
     from m2flow.preflight import preflight
+    from m2flow.run_dir import run_dir_claimed
     from m2flow.runtime import Cluster
 
     cfg = load_config(config, overrides)
@@ -72,7 +72,7 @@ def train(config: Any, overrides: list[str] | None = None, cluster=None) -> Trai
                                      reuse_processes=cfg.cluster.reuse_processes)
         plan = None  # the flow makes the plan the placement names
         if auto:
-            from m2flow.planning.auto import choose_plan
+            from m2flow.auto import choose_plan
 
             cfg, plan = choose_plan(cfg, cluster, cfg.run.path)
         # the run's flow alone: the reasoning flow's imports (transformers) take seconds an embodied run never needs
@@ -82,7 +82,7 @@ def train(config: Any, overrides: list[str] | None = None, cluster=None) -> Trai
             from m2flow.embodied import flow
         out = flow.train(cfg, cluster, plan)
         if auto:
-            from m2flow.planning.auto import write_plan_report
+            from m2flow.auto import write_plan_report
 
             write_plan_report(out["run_dir"], "time/step" if reasoning_run else "time/iteration")
     if reasoning_run:
@@ -98,7 +98,7 @@ def measure_plan(config: Any, placement: str, granularity: int, run_dir: str | P
     stages), in `run_dir` (a run already there is replaced); returns the median step time, the first step left
     out. What benchmarks/plans.py and the auto-mode tests put beside the planner's predictions."""
     from m2flow import config as C
-    from m2flow.planning.auto import measured_step_seconds
+    from m2flow.auto import measured_step_seconds
 
     cfg = load_config(config)
     run_dir = Path(run_dir)

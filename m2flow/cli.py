@@ -214,8 +214,8 @@ def cmd_init_model(args) -> int:
 
 def cmd_demos(args) -> int:
     from m2flow.config import UserError
-    from m2flow.flows.outputs import progress
     from m2flow.embodied.envs import experts, maniskill
+    from m2flow.run_dir import progress
 
     try:
         experts.check_task(args.task)
@@ -240,7 +240,7 @@ def cmd_demos(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from m2flow.planning.command import profile_command
+    from m2flow.profiling import profile_command
 
     print(profile_command(args.config, args.overrides, args.out, args.batches, args.repeats))
     return 0
@@ -248,7 +248,7 @@ def cmd_profile(args) -> int:
 
 def cmd_plan(args) -> int:
     from m2flow.config import UserError
-    from m2flow.scheduler.search import plan_command
+    from m2flow.planner.search import plan_command
 
     if args.max_staleness < 0:
         raise UserError(f"--max-staleness must be >= 0 (0: on-policy), got {args.max_staleness}")

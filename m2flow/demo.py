@@ -9,10 +9,10 @@ import time
 
 from m2flow import config as C
 from m2flow.api import train
-from m2flow.flows.outputs import holds_run, run_dir_claimed
 from m2flow.preflight import preflight
 from m2flow.reasoning.evaluation import evaluate_model
 from m2flow.reasoning.warm_start import prepare_model
+from m2flow.run_dir import holds_run, run_dir_claimed
 
 
 def run_demo(overrides: list[str] | None = None, cluster=None) -> dict:

@@ -328,8 +328,8 @@ def _data_file(data) -> dict:
 
 def _reward_fn(cfg, record: dict) -> None:
     """The reward function imported, and a user's own called on `record`, one of the run's training records."""
-    from m2flow.reasoning.tasks.rewards import REWARD_FNS, load_reward_fn, try_reward_fn
     from m2flow.reasoning.tasks.datasets import reward_name, reward_timeout
+    from m2flow.reasoning.tasks.rewards import REWARD_FNS, load_reward_fn, try_reward_fn
 
     name = reward_name(cfg.reward.fn, cfg.data.task)  # `auto`: the task's own reward
     try:
@@ -355,8 +355,8 @@ def _env_spaces(cfg) -> None:
     import numpy as np
     from gymnasium import spaces
 
-    from m2flow.embodied.workers.env import make_env_group
     from m2flow.embodied.envs import maniskill
+    from m2flow.embodied.workers.env import make_env_group
 
     if maniskill.is_maniskill(cfg.env.id.split(",")[0]):
         return

@@ -21,17 +21,17 @@ import yaml
 
 from m2flow import config as C
 from m2flow.config import EmbodiedConfig
-from m2flow.flows.outputs import RunDir, latest_checkpoint, progress, run_dir_claimed
-from m2flow.runtime import Channel, Cluster, Group, foreground, launch_all, running, wait_all
-from m2flow.runtime.files import load_plain
-from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
-from m2flow.scheduler.plan import ExecutionPlan, make_plan
+from m2flow.embodied.envs import maniskill
+from m2flow.embodied.sac.learner import REPLAY_FILE, SACLearnerWorker
 from m2flow.embodied.workers.actor import EmbodiedActorWorker, load_policy
 from m2flow.embodied.workers.env import EnvWorker, make_env_group, video_recorder, wait_rollout
 from m2flow.embodied.workers.policy import PolicyWorker, make_policy
-from m2flow.embodied.sac.learner import REPLAY_FILE, SACLearnerWorker
-from m2flow.workers.sync import finish_sync, load_published, start_sync, sync_weights
-from m2flow.embodied.envs import maniskill
+from m2flow.planner.plan import ExecutionPlan, make_plan
+from m2flow.run_dir import RunDir, latest_checkpoint, progress, run_dir_claimed
+from m2flow.runtime import Channel, Cluster, Group, foreground, launch_all, running, wait_all
+from m2flow.runtime.files import load_plain
+from m2flow.runtime.sync import finish_sync, load_published, start_sync, sync_weights
+from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 
 COMPONENTS = list(C.EmbodiedClusterConfig.COMPONENTS)  # env, rollout, actor
 PLOTS = {

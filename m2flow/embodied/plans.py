@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from m2flow.scheduler.cost import Layout
-from m2flow.scheduler.profile import Profile
-from m2flow.scheduler.search import Candidate, SearchResult, search
+from m2flow.planner.cost import Layout
+from m2flow.planner.profile import Profile
+from m2flow.planner.search import Candidate, SearchResult, search
 
 COMPONENTS = ("env", "rollout", "actor")  # the embodied flow's components, in data order
 

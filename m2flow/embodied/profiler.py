@@ -22,21 +22,22 @@ from pathlib import Path
 import torch
 
 from m2flow.config import EmbodiedClusterConfig
-from m2flow.planning.probe import Probe, median_rows
 from m2flow.runtime import Channel, Cluster, parse_placement, running
-from m2flow.scheduler.profile import (
+from m2flow.runtime.probe import Probe
+from m2flow.planner.profile import (
     ComponentInfo,
     LoopLatency,
     Machine,
     Profile,
     Transfer,
     Weights,
+    median_rows,
 )
+from m2flow.embodied.sac.learner import SACLearnerWorker
 from m2flow.embodied.workers.actor import EmbodiedActorWorker
 from m2flow.embodied.workers.env import EnvWorker
 from m2flow.embodied.workers.policy import PolicyWorker
-from m2flow.embodied.sac.learner import SACLearnerWorker
-from m2flow.workers.sync import sync_weights
+from m2flow.runtime.sync import sync_weights
 
 COMPONENTS = EmbodiedClusterConfig.COMPONENTS  # env, rollout, actor
 STAGES = (1, 2, 4)  # env pipeline stages the planner considers: rows at num_envs / S envs

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from m2flow import config as C
 from m2flow.engines.hf import load_model, load_tokenizer
-from m2flow.flows.outputs import latest_checkpoint
-from m2flow.reasoning.tasks.evaluate import evaluate
 from m2flow.reasoning.tasks.datasets import build_datasets, reward_name, reward_timeout
+from m2flow.reasoning.tasks.evaluate import evaluate
+from m2flow.run_dir import latest_checkpoint
 
 
 def model_dir(path: str) -> str:

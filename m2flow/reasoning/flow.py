@@ -18,21 +18,21 @@ import yaml
 from m2flow import config as C
 from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
-from m2flow.flows.outputs import RunDir, idle_metrics, offload_metrics, progress, run_dir_claimed
+from m2flow.run_dir import RunDir, idle_metrics, offload_metrics, progress, run_dir_claimed
 from m2flow.runtime import (Channel, Cluster, foreground, gather_spans, launch_all, launch_cohosted, running,
                             wait_all)
-from m2flow.runtime.files import load_plain
-from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
-from m2flow.scheduler.plan import ExecutionPlan, make_plan
+from m2flow.planner.plan import ExecutionPlan, make_plan
+from m2flow.reasoning.tasks.datasets import build_datasets
+from m2flow.reasoning.warm_start import prepare_model
 from m2flow.reasoning.workers.actor import ActorWorker
 from m2flow.reasoning.workers.critic import CriticWorker
 from m2flow.reasoning.workers.inference import InferenceWorker
 from m2flow.reasoning.workers.reward import RewardWorker
 from m2flow.reasoning.workers.rollout import RolloutWorker
-from m2flow.workers.sync import sync_weights
 from m2flow.reasoning.workers.tool import ToolWorker
-from m2flow.reasoning.tasks.datasets import build_datasets
-from m2flow.reasoning.warm_start import prepare_model
+from m2flow.runtime.files import load_plain
+from m2flow.runtime.sync import sync_weights
+from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 
 COMPONENTS = ["rollout", "reward", "inference", "actor"]  # + "critic" (algorithm.name=ppo), "tool" (agent.tools)
 PLOTS = {

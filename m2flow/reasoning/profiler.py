@@ -2,7 +2,7 @@
 (one process spanning both), at a few batch sizes, and writes the profile table the planner reads (docs/planner.md).
 
 Inputs are real: real prompts through the real rollout, whose groups are scored, turned into logprob batches and
-trained on by the real workers, through Channels. It measures; it does not plan (`planning/auto.py` does).
+trained on by the real workers, through Channels. It measures; it does not plan (`auto.py` does).
 """
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ import torch
 
 from m2flow import config as C
 from m2flow.engines.hf import load_tokenizer
-from m2flow.planning.probe import Probe, median_rows
-from m2flow.runtime import Channel, Cluster, launch_cohosted, parse_placement, running
-from m2flow.scheduler.profile import ComponentInfo, Machine, Profile, Transfer, Weights
+from m2flow.planner.profile import ComponentInfo, Machine, Profile, Transfer, Weights, median_rows
+from m2flow.reasoning.tasks.datasets import build_datasets
+from m2flow.reasoning.warm_start import prepare_model
 from m2flow.reasoning.workers.actor import ActorWorker
-from m2flow.workers.common import END, drain
 from m2flow.reasoning.workers.critic import CriticWorker
 from m2flow.reasoning.workers.inference import InferenceWorker
 from m2flow.reasoning.workers.reward import RewardWorker
 from m2flow.reasoning.workers.rollout import RolloutWorker
-from m2flow.workers.sync import sync_weights
 from m2flow.reasoning.workers.tool import ToolWorker
-from m2flow.reasoning.tasks.datasets import build_datasets
-from m2flow.reasoning.warm_start import prepare_model
+from m2flow.runtime import Channel, Cluster, launch_cohosted, parse_placement, running
+from m2flow.runtime.probe import Probe
+from m2flow.runtime.stream import END, drain
+from m2flow.runtime.sync import sync_weights
 
 
 def components_of(cfg) -> tuple[str, ...]:

@@ -12,9 +12,9 @@ from auto_check import auto_outputs, check_auto_choice
 
 from m2flow import config as C
 from m2flow.api import measure_plan, train
-from m2flow.planning.auto import flow_plans
+from m2flow.auto import flow_plans
+from m2flow.planner.profile import Profile
 from m2flow.runtime import parse_placement
-from m2flow.scheduler.profile import Profile
 
 COMPONENTS = ["rollout", "reward", "inference", "actor"]
 STEPS = 4  # per plan; the first warms up, the median of the other 3 is the measured step time
@@ -45,7 +45,7 @@ def test_flow_plans_offload_where_the_resident_state_does_not_fit_when_offload_i
     offers none of them."""
     import dataclasses
 
-    from m2flow.planning.auto import plan_of
+    from m2flow.auto import plan_of
 
     p = Profile.load(Path(__file__).resolve().parents[1] / "fixtures" / "profiles" / "reasoning_8xh100.json")
     # on one device the four components' state and activations need 246 GB resident, 122 GB with offload

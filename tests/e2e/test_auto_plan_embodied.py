@@ -10,8 +10,8 @@ from auto_check import auto_outputs, check_auto_choice
 
 from m2flow import config as C
 from m2flow.api import measure_plan, train
+from m2flow.planner.profile import Profile
 from m2flow.runtime import parse_placement
-from m2flow.scheduler.profile import Profile
 
 COMPONENTS = ["env", "rollout", "actor"]
 STEPS = 4  # per plan; the first warms up, the median of the other 3 is the measured iteration time

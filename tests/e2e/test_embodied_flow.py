@@ -13,11 +13,11 @@ from gymnasium import spaces
 
 from m2flow import config as C
 from m2flow.api import load_config
+from m2flow.embodied.envs import Trajectory
 from m2flow.embodied.flow import train
-from m2flow.runtime import Channel, WorkerError, parse_placement, release_all, wait_all
 from m2flow.embodied.workers.env import EnvWorker
 from m2flow.embodied.workers.policy import PolicyWorker
-from m2flow.embodied.envs import Trajectory
+from m2flow.runtime import Channel, WorkerError, parse_placement, release_all, wait_all
 
 
 class NaNObs(gym.Env):

@@ -10,8 +10,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from m2flow import config as C
-from m2flow.reasoning.evaluation import evaluate_model
 from m2flow.engines.hf import load_model
+from m2flow.reasoning.evaluation import evaluate_model
 from m2flow.reasoning.flow import train
 
 TOOL_TRACE_TOKENS = 44  # <calc>37+45</calc><result>82</result>82 and eos, with room

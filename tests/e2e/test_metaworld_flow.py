@@ -5,8 +5,8 @@ on device 0 in two stages, the policy on device 1), with the simulator's success
 import json
 
 from m2flow import config as C
-from m2flow.embodied.flow import behaviour_clone, train
 from m2flow.embodied.envs import experts
+from m2flow.embodied.flow import behaviour_clone, train
 
 
 def run(cluster, tmp_path, name, *overrides):

@@ -102,7 +102,7 @@ def test_auto_mode_profiles_the_critic_and_places_it(cluster, tmp_path):
     """`cluster.placement=auto` with PPO: the profile times the critic (a stage that waits for the whole batch), the
     search places five components, and the chosen plan trains with the critic in it."""
     from m2flow.api import train as api_train
-    from m2flow.scheduler.profile import Profile
+    from m2flow.planner.profile import Profile
 
     cfg = C.load(C.ReasoningConfig, None, [
         f"run.dir={tmp_path}", "run.name=auto", "run.progress=false", "run.trace=false", "run.steps=2",

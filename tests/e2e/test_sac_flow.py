@@ -99,8 +99,8 @@ def test_auto_mode_profiles_the_sac_learner_and_plans_it_as_one_rank(cluster, tm
     from auto_check import auto_outputs
 
     from m2flow.api import train as api_train
+    from m2flow.planner.profile import Profile
     from m2flow.runtime import parse_placement
-    from m2flow.scheduler.profile import Profile
 
     cfg = cfg_for(tmp_path, "auto", "policy.hidden=[32,32]", "run.steps=3", "sac.learning_starts=63",
                   "eval.episodes=0", "sac.max_policy_lag=1", "cluster.placement=auto")

@@ -16,11 +16,11 @@ from m2flow import config as C
 from m2flow.engines.hf import init_tiny_model, load_model
 from m2flow.engines.train import collate, token_logprobs
 from m2flow.reasoning.flow import train
+from m2flow.reasoning.workers.actor import ActorWorker
 from m2flow.runtime import Channel, parse_placement, release_all, wait_all
+from m2flow.runtime.stream import finish, route
 from m2flow.runtime.weights import fetch
 from m2flow.types import Batch
-from m2flow.reasoning.workers.actor import ActorWorker
-from m2flow.workers.common import finish, route
 
 TOL = 1e-5
 

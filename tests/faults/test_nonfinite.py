@@ -10,15 +10,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from m2flow import config as C
+from m2flow.embodied import flow as embodied
 from m2flow.engines.hf import init_tiny_model
 from m2flow.engines.train import collate
-from m2flow.embodied import flow as embodied
 from m2flow.reasoning import flow as reasoning
+from m2flow.reasoning.workers.actor import ActorWorker
 from m2flow.runtime import Channel, WorkerError, parse_placement, release_all
+from m2flow.runtime.stream import finish
 from m2flow.runtime.weights import fetch
 from m2flow.types import Batch
-from m2flow.reasoning.workers.actor import ActorWorker
-from m2flow.workers.common import finish
 
 
 def reasoning_cfg(tmp_path, name, *overrides):

@@ -9,7 +9,7 @@ import pytest
 
 from m2flow import config as C
 from m2flow.cli import main
-from m2flow.flows.outputs import claim_run_dir, holds_run, release_run_dir, run_dir_claimed
+from m2flow.run_dir import claim_run_dir, holds_run, release_run_dir, run_dir_claimed
 
 
 def old_run(path):
@@ -52,7 +52,7 @@ def test_an_empty_or_cache_only_directory_is_not_a_run(tmp_path):
 
 HOLDER = """
 import sys, time
-from m2flow.flows.outputs import claim_run_dir
+from m2flow.run_dir import claim_run_dir
 claim_run_dir(sys.argv[1])
 print("HELD", flush=True)
 time.sleep(60)
@@ -106,7 +106,7 @@ def test_a_checkpoint_cut_off_mid_write_is_never_picked(tmp_path):
     """A write that fails removes its partial step_N.tmp (a full disk says so, naming the checkpoint kept; another
     error goes up as it is); a driver killed mid-write leaves one, and a folder without COMPLETE may be left by hand
     or by an older version: resume picks step 2, the last complete one."""
-    from m2flow.flows.outputs import RunDir, latest_checkpoint
+    from m2flow.run_dir import RunDir, latest_checkpoint
 
     run = RunDir(tmp_path / "r", C.load(C.ReasoningConfig))
     run.save_checkpoint(2, lambda d: (d / "weights").write_text("two"))

@@ -92,7 +92,7 @@ def test_busy_seconds_is_the_union_of_a_devices_spans_clipped_to_the_window():
              span(10.0, 12.0, [])]  # no device (the driver): counts for none
     busy = busy_seconds(spans, 10.0, 12.0, [0, 1, 2])
     assert busy == pytest.approx({0: 1.5, 1: 0.2 + 0.6 + 0.2, 2: 0.0})
-    from m2flow.flows.outputs import idle_metrics
+    from m2flow.run_dir import idle_metrics
 
     idle = idle_metrics(spans, 10.0, 12.0, [0, 1])
     assert idle == pytest.approx({"time/idle/device0": 0.5, "time/idle/device1": 1.0, "time/idle_fraction": 1.5 / 4})

@@ -5,8 +5,8 @@ import pytest
 import torch
 from gymnasium import spaces
 
-from m2flow.embodied.policies import MLPActorCritic
 from m2flow.embodied.bc import bc_dataset, fit
+from m2flow.embodied.policies import MLPActorCritic
 
 SUMMARY = {"task": "Toy-v0", "episodes": [{"success": True}, {"success": False}, {"success": True}]}
 ARRAYS = {"obs": np.arange(7, dtype=np.float32)[:, None] * [1.0, -1.0],
@@ -102,8 +102,8 @@ def test_sac_from_a_cloned_actor_starts_at_its_std_times_init_std_scale(tmp_path
     from safetensors.torch import save_file
 
     from m2flow import config as C
-    from m2flow.embodied.workers.policy import make_policy
     from m2flow.embodied.sac.learner import SACLearnerWorker
+    from m2flow.embodied.workers.policy import make_policy
 
     obs_space, action_space = spaces.Box(-np.inf, np.inf, (42,)), spaces.Box(-1, 1, (4,))
     cloned = make_policy(C.load(C.EmbodiedConfig, "rlpd_pickcube", []), obs_space, action_space)
@@ -125,9 +125,9 @@ def test_a_behaviour_cloning_term_beside_the_rl_loss_pulls_the_policy_to_the_dem
     from pathlib import Path
 
     from m2flow import config as C
-    from m2flow.embodied.workers.actor import EmbodiedActorWorker
-    from m2flow.embodied.envs import Trajectory
     from m2flow.embodied.bc import demo_data
+    from m2flow.embodied.envs import Trajectory
+    from m2flow.embodied.workers.actor import EmbodiedActorWorker
 
     demos = Path(__file__).resolve().parents[1] / "fixtures" / "demos" / "PickCube-v1"
     obs_space, action_space = spaces.Box(-np.inf, np.inf, (42,)), spaces.Box(-1, 1, (4,))

@@ -4,8 +4,8 @@ import pytest
 
 from m2flow import config as C
 from m2flow.embodied import flow as embodied
+from m2flow.planner.plan import make_plan
 from m2flow.reasoning import flow as reasoning
-from m2flow.scheduler.plan import make_plan
 
 FLOWS = {"reasoning": (C.ReasoningConfig, reasoning.COMPONENTS), "embodied": (C.EmbodiedConfig, embodied.COMPONENTS)}
 

@@ -10,11 +10,11 @@ from gymnasium import spaces
 from torch.distributions import Categorical, Normal
 
 from m2flow import config as C
+from m2flow.embodied.envs import Trajectory, collect_lockstep
 from m2flow.embodied.flow import evaluate_checkpoint
 from m2flow.embodied.workers.actor import EmbodiedActorWorker, advantages, load_policy
 from m2flow.embodied.workers.env import EnvWorker, make_env_group
 from m2flow.embodied.workers.policy import PolicyWorker, make_policy, sample_actions
-from m2flow.embodied.envs import Trajectory, collect_lockstep
 
 NAN_ENV = "m2flow-test/NaNAtStep7-v0"
 

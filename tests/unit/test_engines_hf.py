@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
+from m2flow.engines import train as train_mod
 from m2flow.engines.base import SamplingParams
 from m2flow.engines.hf import HFEngine, init_tiny_model, load_model, load_tokenizer
-from m2flow.engines import train as train_mod
 from m2flow.engines.train import collate, sft, token_logprobs, token_logprobs_and_entropy
 from m2flow.reasoning.tasks.synthetic import arithmetic
 

@@ -4,8 +4,8 @@ zero-weight filler for a rank a small batch cannot feed."""
 import pytest
 import torch
 
+from m2flow.runtime.stream import split_for_ranks
 from m2flow.types import Batch
-from m2flow.workers.common import split_for_ranks
 
 
 def _batch(n: int) -> Batch:

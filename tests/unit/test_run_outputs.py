@@ -7,7 +7,7 @@ import math
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from m2flow import config as C
-from m2flow.flows.outputs import RunDir
+from m2flow.run_dir import RunDir
 
 
 def test_each_step_reaches_metrics_jsonl_and_tensorboard_with_the_same_values(tmp_path):

@@ -13,13 +13,13 @@ from gymnasium import spaces
 
 from m2flow import config as C
 from m2flow.algorithms import actor_loss, polyak_update, squashed_gaussian_logprob
-from m2flow.embodied.workers.policy import make_policy, sample_actions, uniform_actions
+from m2flow.embodied.bc import demo_transitions
+from m2flow.embodied.envs import Trajectory
+from m2flow.embodied.envs.experts import load_demos
+from m2flow.embodied.policies import Critics, SquashedGaussianActor
 from m2flow.embodied.sac import learner as sac_learner
 from m2flow.embodied.sac.learner import SACLearnerWorker
-from m2flow.embodied.envs import Trajectory
-from m2flow.embodied.policies import Critics, SquashedGaussianActor
-from m2flow.embodied.bc import demo_transitions
-from m2flow.embodied.envs.experts import load_demos
+from m2flow.embodied.workers.policy import make_policy, sample_actions, uniform_actions
 
 BOX = spaces.Box(np.array([-2.0, 0.0], np.float32), np.array([2.0, 1.0], np.float32))
 

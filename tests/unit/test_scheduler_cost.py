@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m2flow.scheduler.cost import CostModel, Curve, Layout, phases, predict, schedule
-from m2flow.scheduler.profile import ComponentInfo, Profile
+from m2flow.planner.cost import CostModel, Curve, Layout, phases, predict, schedule
+from m2flow.planner.profile import ComponentInfo, Profile
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "profiles"
 

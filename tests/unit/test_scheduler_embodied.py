@@ -3,9 +3,9 @@ optimum is known: balanced env and policy times -> the 2-stage hybrid wins; a ti
 
 import pytest
 
-from m2flow.runtime.placement import parse_placement
 from m2flow.embodied.plans import COMPONENTS, embodied_plans
-from m2flow.scheduler.profile import Profile
+from m2flow.planner.profile import Profile
+from m2flow.runtime.placement import parse_placement
 
 
 def profile(env: float, policy: float, actor: float = 0.1, slowdown: float = 1.0, envs: int = 32) -> Profile:

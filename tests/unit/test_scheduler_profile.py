@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from m2flow.scheduler.profile import Profile, ProfileError
+from m2flow.planner.profile import Profile, ProfileError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "profiles"
 GOOD = json.loads((FIXTURES / "embodied_hybrid.json").read_text())

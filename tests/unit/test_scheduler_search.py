@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from m2flow.planner.profile import Profile
+from m2flow.planner.search import contiguous_groupings, device_splits, micro_batch_sizes, search
 from m2flow.runtime.placement import parse_placement
-from m2flow.scheduler.profile import Profile
-from m2flow.scheduler.search import contiguous_groupings, device_splits, micro_batch_sizes, search
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "profiles"
 

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import yaml
 
-from m2flow.scheduler.profile import Profile
-from m2flow.scheduler.search import plan_command, search
-from m2flow.scheduler.timeline import plot_predicted
+from m2flow.planner.profile import Profile
+from m2flow.planner.search import plan_command, search
+from m2flow.planner.timeline import plot_predicted
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "profiles"
 PNG = b"\x89PNG\r\n\x1a\n"

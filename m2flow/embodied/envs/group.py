@@ -1,7 +1,7 @@
 """Gymnasium envs for embodied RL: the env factory by id, `EnvGroup` (a seeded vector of envs with normalization,
 episode stats, action chunks and pipeline stages) and the [T, N] `Trajectory` with a lock-step collector.
 
-Plain gymnasium + numpy + torch: no workers, no channels, no learning (those live in workers/, runtime/, algorithms/).
+Plain gymnasium + numpy + torch: no workers, no channels, no learning (the wing's workers/, runtime/ and algorithms/ do).
 
 Autoreset is SAME_STEP (`gymnasium.vector.AutoresetMode.SAME_STEP`): when env i's episode ends at step t, the obs
 returned for it is already the first obs of its next episode, and the last obs of the finished one comes back as

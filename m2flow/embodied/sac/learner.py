@@ -29,19 +29,19 @@ import torch
 from m2flow.algorithms import actor_loss, critic_loss, polyak_update, soft_td_target, temperature_loss
 from m2flow.algorithms.sac_grad import (actor_loss_grads, critics_forward, critics_loss_grads, mlp_layers,
                                         squashed_sample)
+from m2flow.embodied.bc import demo_transitions
+from m2flow.embodied.envs import Trajectory
+from m2flow.embodied.policies import Critics
+from m2flow.embodied.sac.actor_process import ActorProcess
+from m2flow.embodied.sac.replay import ReplayBuffer, transitions
+from m2flow.embodied.workers.actor import load_policy, start_policy
+from m2flow.embodied.workers.policy import make_policy
+from m2flow.engines.guards import nonfinite_update
 from m2flow.engines.optim import FusedAdamStep
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
+from m2flow.runtime.sync import PublishesWeights
 from m2flow.runtime.weights import publish
-from m2flow.embodied.workers.actor import load_policy, start_policy
-from m2flow.workers.guards import nonfinite_update
-from m2flow.embodied.workers.policy import make_policy
-from m2flow.embodied.sac.actor_process import ActorProcess
-from m2flow.workers.sync import PublishesWeights
-from m2flow.embodied.envs import Trajectory
-from m2flow.embodied.policies import Critics
-from m2flow.embodied.bc import demo_transitions
-from m2flow.embodied.sac.replay import ReplayBuffer, transitions
 
 REPLAY_FILE = "replay.safetensors"  # in a checkpoint: the online buffer (sac.save_buffer)
 STATS = ("sac/critic_loss", "sac/actor_loss", "sac/alpha", "sac/entropy", "sac/q_mean", "sac/bc_loss")
@@ -317,8 +317,8 @@ class SACLearnerWorker(PublishesWeights, Worker):
         return [self._stats(c, *pipe.done[k].result(), a, logp, q) for k, c, a, logp, q in taken]
 
     def _process_parallel_updates(self, n: int) -> list[torch.Tensor]:
-        """`_manual_parallel_updates` with the actor's side in its own process (sac.actor_process: m2flow.workers.
-        sac_actor_process), which this side hands each step's minibatch and noise: drawn here, in the same order."""
+        """`_manual_parallel_updates` with the actor's side in its own process (sac.actor_process: m2flow.embodied.sac.
+        actor_process), which this side hands each step's minibatch and noise: drawn here, in the same order."""
         m, p = self._manual, self._actor_process()
         alpha = self.log_alpha.detach().exp()
         taken = []  # (step, its critics' loss, alpha, log pi, first critic's mean Q) of the steps not dropped

@@ -17,14 +17,14 @@ import torch
 
 from m2flow.algorithms import (embodied_grpo_advantages, first_episode_mask, gae, sample_policy_loss, sample_value_loss,
                                shift_values)
+from m2flow.embodied.bc import demo_data
+from m2flow.embodied.envs import Trajectory
+from m2flow.embodied.workers.policy import make_policy
+from m2flow.engines.guards import check_weight_growth, first_nonfinite, nonfinite_update, sum_of_squares
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
+from m2flow.runtime.sync import PublishesWeights
 from m2flow.runtime.weights import publish
-from m2flow.workers.guards import check_weight_growth, first_nonfinite, nonfinite_update, sum_of_squares
-from m2flow.embodied.workers.policy import make_policy
-from m2flow.workers.sync import PublishesWeights
-from m2flow.embodied.envs import Trajectory
-from m2flow.embodied.bc import demo_data
 
 
 def advantages(traj: Trajectory, cfg, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:

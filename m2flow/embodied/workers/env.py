@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from m2flow.algorithms import first_episode_mask
+from m2flow.embodied.envs import EnvGroup, Trajectory, make_env_fns
 from m2flow.runtime import Worker, WorkerError, concurrent, wait_all
 from m2flow.runtime.files import load_sealed, save_sealed
-from m2flow.embodied.envs import EnvGroup, Trajectory, make_env_fns
 
 
 def make_env_group(cfg, num_envs: int, seed: int, training: bool = True, render_mode: str | None = None,

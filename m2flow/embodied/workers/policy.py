@@ -16,9 +16,9 @@ import torch
 from gymnasium import spaces
 from torch import nn
 
+from m2flow.embodied.policies import ActorCritic, SquashedGaussianActor, build_policy, categorical_logprob, gaussian_logprob
 from m2flow.runtime import Worker
 from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
-from m2flow.embodied.policies import ActorCritic, SquashedGaussianActor, build_policy, categorical_logprob, gaussian_logprob
 
 
 def make_policy(cfg, obs_space, action_space) -> ActorCritic | SquashedGaussianActor:

@@ -1,4 +1,4 @@
-"""Reasoning workloads: prompt datasets (JSONL/Parquet, synthetic arithmetic/countdown) and verifiable rewards.
+"""The reasoning tasks: prompt datasets (JSONL/Parquet, synthetic arithmetic/countdown) and verifiable rewards.
 
 Light on purpose (no torch import): reward worker processes import this package.
 """

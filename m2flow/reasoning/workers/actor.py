@@ -27,17 +27,17 @@ from m2flow.engines.fsdp import (
     save_sharded,
     shard_model,
 )
+from m2flow.engines.guards import check_weight_growth, first_nonfinite, nonfinite_update, sum_of_squares
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.engines.lora import adapter_items, add_lora, merged_items, save_adapter
 from m2flow.engines.precision import training_precision
 from m2flow.engines.train import token_logprobs, token_logprobs_and_entropy
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
+from m2flow.runtime.stream import drain
+from m2flow.runtime.sync import PublishesWeights
 from m2flow.runtime.weights import publish, state_digest
 from m2flow.types import Batch
-from m2flow.workers.common import drain
-from m2flow.workers.guards import check_weight_growth, first_nonfinite, nonfinite_update, sum_of_squares
-from m2flow.workers.sync import PublishesWeights
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):

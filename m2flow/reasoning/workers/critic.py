@@ -15,12 +15,12 @@ from torch import nn
 from m2flow.algorithms import response_gae, value_loss
 from m2flow.engines.fsdp import (all_reduce, all_reduce_tensor, full_tensor, load_sharded, save_sharded,
                                  shard_model)
+from m2flow.engines.guards import first_nonfinite, nonfinite_update
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.engines.precision import training_precision
 from m2flow.runtime import Worker
+from m2flow.runtime.stream import drain, finish, route
 from m2flow.types import Batch
-from m2flow.workers.common import drain, finish, route
-from m2flow.workers.guards import first_nonfinite, nonfinite_update
 
 
 class ValueModel(nn.Module):

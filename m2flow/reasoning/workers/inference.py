@@ -10,11 +10,11 @@ import torch
 
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.engines.train import collate, token_logprobs
+from m2flow.reasoning.workers.policy_copy import adapter_receiver, load_policy
 from m2flow.runtime import Worker
+from m2flow.runtime.stream import drain, finish, route
 from m2flow.runtime.weights import WeightsRef, loaded_digest
 from m2flow.types import Batch
-from m2flow.workers.common import drain, finish, route
-from m2flow.workers.sync import adapter_receiver, load_policy
 
 
 def groups_to_batch(groups: list[dict], pad_id: int) -> Batch:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from m2flow.algorithms import get_advantage_fn, overlong_penalty
-from m2flow.runtime import Worker
-from m2flow.workers.common import drain_batches, finish
-from m2flow.reasoning.tasks.rewards import RewardRunner
 from m2flow.reasoning.tasks.datasets import reward_name, reward_timeout
+from m2flow.reasoning.tasks.rewards import RewardRunner
+from m2flow.runtime import Worker
+from m2flow.runtime.stream import drain_batches, finish
 
 # advantage -> what the reward stage attaches per group (REINFORCE++: the group-centred score; the actor whitens it
 # over the whole step's tokens)

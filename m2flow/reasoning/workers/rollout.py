@@ -11,13 +11,13 @@ import torch
 
 from m2flow.engines.base import SamplingParams
 from m2flow.engines.hf import HFEngine, load_model, load_tokenizer
-from m2flow.runtime import Worker
-from m2flow.runtime.weights import WeightsRef, loaded_digest
-from m2flow.workers.common import finish
-from m2flow.workers.sync import adapter_receiver, load_policy
-from m2flow.reasoning.tasks.rewards import completion_text
 from m2flow.reasoning.tasks.datasets import reward_name, reward_timeout
+from m2flow.reasoning.tasks.rewards import completion_text
 from m2flow.reasoning.tasks.tools import AgentHook, Toolbox, final_answer
+from m2flow.reasoning.workers.policy_copy import adapter_receiver, load_policy
+from m2flow.runtime import Worker
+from m2flow.runtime.stream import finish
+from m2flow.runtime.weights import WeightsRef, loaded_digest
 
 
 def build_engine(kind: str, model, tokenizer, max_slots: int, max_len: int, tools: bool = False):

@@ -5,8 +5,8 @@ default. It runs no model and takes no device lock; each call is traced as a `to
 
 from __future__ import annotations
 
-from m2flow.runtime import Worker, concurrent
 from m2flow.reasoning.tasks.tools import ToolCall, Toolbox
+from m2flow.runtime import Worker, concurrent
 
 
 class ToolWorker(Worker):

@@ -1,18 +1,18 @@
-"""What both flows' profilers share: a mixin that times one of a worker's methods with its peak memory and when it
-put its outputs (`Probe`), and the reduction of repeated timings to one measurement per cell (`median_rows`)."""
+"""What every flow's profiler mixes into the workers it times: `Probe.timed` calls one of a worker's methods and
+returns its seconds, peak memory and when it put its outputs. The reduction of repeated timings to one measurement
+per cell is the planner's (`planner.profile.median_rows`)."""
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 
 import psutil
 import torch
 
-from m2flow.runtime import Channel, concurrent
-from m2flow.scheduler.profile import Measurement
-from m2flow.workers.common import END, drain
+from m2flow.runtime.channel import Channel
+from m2flow.runtime.group import concurrent
+from m2flow.runtime.stream import END, drain
 
 
 class Probe:
@@ -101,29 +101,3 @@ class _Stamped:
 
     def __getattr__(self, name):
         return getattr(self._channel, name)
-
-
-def median_rows(rows: dict[tuple[str, int, int], list[dict]], components) -> list[Measurement]:
-    """{(component, batch, devices): [{seconds, peak_bytes}, ...]} -> one Measurement per cell: the medians, with
-    seconds made non-decreasing in batch per (component, devices)."""
-    measurements = []
-    for name in components:
-        for d in sorted({d for c, _, d in rows if c == name}):
-            cells = sorted((n, rs) for (c, n, dd), rs in rows.items() if c == name and dd == d)
-            seconds = _non_decreasing([statistics.median(r["seconds"] for r in rs) for _, rs in cells],
-                                      [len(rs) for _, rs in cells])
-            measurements += [Measurement(name, n, d, max(s, 1e-9), int(statistics.median(r["peak_bytes"] for r in rs)))
-                             for (n, rs), s in zip(cells, seconds)]
-    return measurements
-
-
-def _non_decreasing(values: list[float], weights: list[int]) -> list[float]:
-    """The closest non-decreasing sequence (weighted least squares, pool adjacent violators): on a busy machine a
-    bigger batch can time faster than a smaller one by chance, never by nature."""
-    blocks: list[list[float]] = []  # [mean, weight, count]
-    for v, w in zip(values, weights):
-        blocks.append([v, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (v2, w2, c2), (v1, w1, c1) = blocks.pop(), blocks.pop()
-            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
-    return [v for v, _, c in blocks for _ in range(c)]

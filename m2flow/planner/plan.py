@@ -1,6 +1,6 @@
 """Execution plans: placement + granularity + offload flags, as plain data saved next to a run.
 
-A plan is named by the config (`make_plan`) or chosen from profiles by auto mode (`m2flow/planning/auto.py`); this
+A plan is named by the config (`make_plan`) or chosen from profiles by auto mode (`m2flow/auto.py`); this
 module never runs anything.
 """
 
@@ -48,7 +48,7 @@ def make_plan(placement_spec, num_devices: int, components: list[str], batch_sam
     devices (they take turns anyway), micro-batches with bounded channels otherwise."""
     if placement_spec == "auto":
         raise ValueError("cluster.placement: auto is resolved before a flow runs: use m2flow.train(...) or the m2flow "
-                         "command, or pass the flow's train() the ExecutionPlan m2flow.planning.auto chose")
+                         "command, or pass the flow's train() the ExecutionPlan m2flow.auto chose")
     placement = parse_placement(placement_spec, num_devices, components)
     if placement.mode == "collocated":
         return ExecutionPlan(placement, batch_samples, 0, offload)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from m2flow.errors import UserError
 
-__all__ = ["ProfileError", "Measurement", "ComponentInfo", "Machine", "Transfer", "Weights", "Profile", "load_profile"]
+__all__ = ["ProfileError", "Measurement", "ComponentInfo", "Machine", "Transfer", "Weights", "Profile", "load_profile", "median_rows"]
 
 
 class ProfileError(UserError):
@@ -320,3 +321,29 @@ class _Reader:
 
 
 _REQUIRED = object()
+
+
+def median_rows(rows: dict[tuple[str, int, int], list[dict]], components) -> list[Measurement]:
+    """{(component, batch, devices): [{seconds, peak_bytes}, ...]} -> one Measurement per cell: the medians, with
+    seconds made non-decreasing in batch per (component, devices)."""
+    measurements = []
+    for name in components:
+        for d in sorted({d for c, _, d in rows if c == name}):
+            cells = sorted((n, rs) for (c, n, dd), rs in rows.items() if c == name and dd == d)
+            seconds = _non_decreasing([statistics.median(r["seconds"] for r in rs) for _, rs in cells],
+                                      [len(rs) for _, rs in cells])
+            measurements += [Measurement(name, n, d, max(s, 1e-9), int(statistics.median(r["peak_bytes"] for r in rs)))
+                             for (n, rs), s in zip(cells, seconds)]
+    return measurements
+
+
+def _non_decreasing(values: list[float], weights: list[int]) -> list[float]:
+    """The closest non-decreasing sequence (weighted least squares, pool adjacent violators): on a busy machine a
+    bigger batch can time faster than a smaller one by chance, never by nature."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (v2, w2, c2), (v1, w1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    return [v for v, _, c in blocks for _ in range(c)]

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import time
 
-from m2flow.engines.lora import AdapterReceiver
-from m2flow.runtime import Handle, wait_all
-from m2flow.runtime.weights import WeightsRef, fetch, load_into
+from m2flow.runtime.group import Handle, wait_all
+from m2flow.runtime.weights import WeightsRef
 
 
 def sync_weights(actor, receivers, check: bool, local: bool = False, per_rank: bool = False) -> int:
@@ -72,20 +71,3 @@ class PublishesWeights:
             receivers = [g.on([self.rank]) for g in receivers]
         digests = [d for h in wait_all([g.load_weights(weights) for g in receivers]) for d in h]
         return weights.version, weights.digest, digests, time.perf_counter() - start, weights.nbytes
-
-
-def adapter_receiver(cfg) -> AdapterReceiver | None:
-    """What a policy copy (rollout, inference) needs to take adapter-only syncs: model.lora on, sync: adapters."""
-    lora = cfg.model.lora
-    return AdapterReceiver(lora.scaling) if lora.r and lora.sync == "adapters" else None
-
-
-def load_policy(model, weights: WeightsRef, adapters: AdapterReceiver | None) -> None:
-    """Load the actor's published weights into a policy copy in place: a state dict, or LoRA adapters applied to the
-    frozen base that `adapters` keeps."""
-    if weights.kind == "adapters":
-        if adapters is None:
-            raise ValueError(f"weights v{weights.version} are LoRA adapters, but this receiver keeps no base for them")
-        adapters.apply(model, fetch(weights))
-    else:
-        load_into(model, weights)

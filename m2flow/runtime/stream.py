@@ -1,4 +1,4 @@
-"""Small pieces every reasoning worker shares: the end-of-stream marker, channel draining and routing.
+"""Streams over channels: the end-of-stream marker, draining a stream, and routing a batch over consumer ranks.
 
 Channels carry items until a producer rank puts END; a consumer stops after one END per producer rank. Several
 consumer ranks either share one queue (work sharing: each producer puts one END per consumer) or, for a data-parallel

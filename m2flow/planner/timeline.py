@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from m2flow.scheduler.cost import Box, CostModel, schedule
-from m2flow.scheduler.profile import Profile
+from m2flow.planner.cost import Box, CostModel, schedule
+from m2flow.planner.profile import Profile
 
 __all__ = ["plot_predicted"]
 

@@ -13,14 +13,14 @@ import statistics
 from pathlib import Path
 
 from m2flow.config import EmbodiedConfig, UserError, place_beside
-from m2flow.reasoning.profiler import components_of, profile_reasoning
-from m2flow.embodied.profiler import profile_embodied
-from m2flow.runtime import Cluster
 from m2flow.embodied.plans import COMPONENTS as EMBODIED
 from m2flow.embodied.plans import embodied_plans
-from m2flow.scheduler.plan import ExecutionPlan, make_plan
-from m2flow.scheduler.profile import Profile
-from m2flow.scheduler.search import Candidate, SearchResult, search
+from m2flow.embodied.profiler import profile_embodied
+from m2flow.planner.plan import ExecutionPlan, make_plan
+from m2flow.planner.profile import Profile
+from m2flow.planner.search import Candidate, SearchResult, search
+from m2flow.reasoning.profiler import components_of, profile_reasoning
+from m2flow.runtime import Cluster
 
 TABLE_ROWS = 20  # candidates shown in plan_candidates.txt (plan_search.json lists all)
 

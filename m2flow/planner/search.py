@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from m2flow.scheduler.cost import CostModel, Layout, Prediction, predict
-from m2flow.scheduler.profile import Profile
+from m2flow.planner.cost import CostModel, Layout, Prediction, predict
+from m2flow.planner.profile import Profile
 
 __all__ = ["Candidate", "SearchResult", "search", "device_splits", "micro_batch_sizes", "plan_command"]
 
@@ -96,7 +96,7 @@ class SearchResult:
 
     def plan(self):
         """The best candidate as an ExecutionPlan (what a flow launches)."""
-        from m2flow.scheduler.plan import make_plan  # imports the runtime package (and Ray): only when asked
+        from m2flow.planner.plan import make_plan  # imports the runtime package (and Ray): only when asked
 
         b = self.best
         return make_plan(b.spec, self.num_devices, list(self.profile.stages), self.batch, b.micro_batch, b.offload)
@@ -272,7 +272,7 @@ def plan_command(profile_path: str | Path, devices: int, out_dir: str | Path | N
                  top: int = 10, staleness: int = 0) -> str:
     """`m2flow plan --profile P.json --devices N`: search, write plan YAML + timeline PNG (to `out_dir`, default
     the profile's folder), and return the text to print."""
-    from m2flow.scheduler.timeline import plot_predicted
+    from m2flow.planner.timeline import plot_predicted
 
     profile = Profile.load(profile_path)
     if staleness < 0:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from m2flow.scheduler.profile import ComponentInfo, Profile
+from m2flow.planner.profile import ComponentInfo, Profile
 
 __all__ = ["Curve", "ComponentFit", "CostModel", "Layout", "Prediction", "Box", "phases", "predict", "overlapped",
            "schedule"]
