@@ -35,6 +35,7 @@ import transformers
 
 from m2flow import config as C
 from m2flow.engines.hf import init_tiny_model, load_model, load_tokenizer
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.evaluation import evaluate_model
 from m2flow.reasoning.flow import train
 from m2flow.reasoning.tasks.datasets import build_datasets
@@ -103,7 +104,7 @@ BASE = {
 }
 
 
-def make_cfg(args, out: Path, name: str, extra: list[str] = ()) -> C.ReasoningConfig:
+def make_cfg(args, out: Path, name: str, extra: list[str] = ()) -> ReasoningConfig:
     """The shared config: BASE with this run's sizes (every system reads its settings from it)."""
     overrides = [f"model.tiny_hidden={args.hidden}", f"model.tiny_layers={args.layers}",
         f"run.dir={out}", f"run.name={name}", "run.overwrite=true", f"run.steps={args.steps}", f"run.seed={args.seed}",
@@ -113,7 +114,7 @@ def make_cfg(args, out: Path, name: str, extra: list[str] = ()) -> C.ReasoningCo
         f"actor.lr={args.lr}", f"actor.micro_batch={args.micro_batch}", f"algorithm.kl_coef={args.kl_coef}",
         f"data.eval_size={args.eval_size}", *extra,
     ]
-    return C.load(C.ReasoningConfig, BASE, overrides)
+    return C.load(ReasoningConfig, BASE, overrides)
 
 
 def start_model(args, out: Path) -> str:
@@ -135,7 +136,7 @@ def start_model(args, out: Path) -> str:
     return str(sft)
 
 
-def step_prompts(cfg: C.ReasoningConfig, model_path: str) -> list[dict]:
+def step_prompts(cfg: ReasoningConfig, model_path: str) -> list[dict]:
     """The prompts m2flow's flow draws for steps 0..steps-1, in order (what TRL is fed, unshuffled)."""
     train_set, _ = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)
     return train_set.next_batch(cfg.run.steps * cfg.rollout.prompts_per_step)

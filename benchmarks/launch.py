@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from m2flow import config as C
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.warm_start import prepare_model
 from m2flow.reasoning.workers.actor import ActorWorker
 from m2flow.reasoning.workers.inference import InferenceWorker
@@ -26,7 +27,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="m2flow-launch-"))
-    cfg = C.load(C.ReasoningConfig, "grpo_arithmetic", [f"run.dir={work}"])
+    cfg = C.load(ReasoningConfig, "grpo_arithmetic", [f"run.dir={work}"])
     model = prepare_model(cfg, work)
     cluster = Cluster(cpu_devices=2)
     plan = parse_placement("rollout: 0; reward,inference,actor: 1", cluster.num_devices)

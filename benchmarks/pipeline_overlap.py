@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from m2flow import config as C
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.workers.env import EnvWorker, make_env_group
 from m2flow.embodied.workers.policy import PolicyWorker, make_policy
 from m2flow.runtime import Channel, Cluster, parse_placement, plot_timeline, wait_all, write_chrome_trace
@@ -34,7 +35,7 @@ ROWS = [("lockstep, collocated", "env,rollout: 0", 1, False),
 
 
 def make_cfg(env_id: str, num_envs: int, width: int, stages: int = 1):
-    return C.load(C.EmbodiedConfig, {"env": {"id": env_id, "num_envs": num_envs, "pipeline_stages": stages},
+    return C.load(EmbodiedConfig, {"env": {"id": env_id, "num_envs": num_envs, "pipeline_stages": stages},
                                      "policy": {"hidden": [width, width, width]}})
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from m2flow import config as C
 from m2flow.api import measure_plan, train
+from m2flow.embodied.config import EmbodiedConfig
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.runtime import Cluster
 
 
@@ -50,12 +52,12 @@ def main() -> None:
     common = [f"run.dir={out}", "run.name=auto", "run.progress=false", "run.trace=false", f"run.steps={args.steps}",
               "cluster.placement=auto"]
     if embodied:
-        cfg = C.load(C.EmbodiedConfig, None, [*common, f"env.id={args.env_id}", f"env.num_envs={args.envs}",
+        cfg = C.load(EmbodiedConfig, None, [*common, f"env.id={args.env_id}", f"env.num_envs={args.envs}",
                                               f"rollout.steps={args.horizon}", "eval.episodes=0", *args.overrides])
         work = f"{args.env_id}, {args.envs} envs x {args.horizon} steps per iteration"
     else:
         batch = args.prompts * args.n
-        cfg = C.load(C.ReasoningConfig, None, [
+        cfg = C.load(ReasoningConfig, None, [
             *common, f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
             f"rollout.max_new_tokens={args.tokens}", f"actor.micro_batch={batch}", "data.train_size=500",
             "data.eval_size=20", *args.overrides])

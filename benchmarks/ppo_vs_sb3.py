@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from m2flow import config as C  # noqa: E402
+from m2flow.embodied.config import EmbodiedConfig  # noqa: E402
 
 PRESETS = {"CartPole-v1": ("ppo_cartpole", 475.0), "HalfCheetah-v5": ("ppo_halfcheetah", 1400.0)}
 WINDOW = 20
@@ -140,11 +141,11 @@ def throughput(cfg, cluster, iters: int, rounds: int) -> dict[str, float]:
         base = [f"run.steps={iters}", "run.stop_return=null", "run.trace=false", "eval.episodes=0", "run.overwrite=true"]
         for name, extra in (("m2flow", []), ("m2flow hybrid", HYBRID)):
             tag = "_hybrid" if extra else ""
-            c = C.load(C.EmbodiedConfig, C.to_dict(cfg), base + extra + [f"run.name={cfg.run.name}{tag}_tp{r}"])
+            c = C.load(EmbodiedConfig, C.to_dict(cfg), base + extra + [f"run.name={cfg.run.name}{tag}_tp{r}"])
             out = run_m2flow(c, cluster, float("inf"))
             best[name] = max(best[name], out["warm_steps_per_s"])
         for threads in (1, 2):
-            out = run_sb3(C.load(C.EmbodiedConfig, C.to_dict(cfg), base), float("inf"), False, threads)
+            out = run_sb3(C.load(EmbodiedConfig, C.to_dict(cfg), base), float("inf"), False, threads)
             key = f"SB3 {threads} thread{'s' if threads > 1 else ''}"
             best[key] = max(best[key], out["warm_steps_per_s"])
     return best
@@ -166,7 +167,7 @@ def update_cost(cfg, repeats: int = 5) -> tuple[float, float]:
     T, N = cfg.rollout.steps, cfg.env.num_envs
     venv = make_vec_env(cfg.env.id, n_envs=N, seed=0)
     obs_space, act_space = venv.observation_space, venv.action_space
-    cfg1 = C.load(C.EmbodiedConfig, C.to_dict(cfg), ["actor.epochs=1"])
+    cfg1 = C.load(EmbodiedConfig, C.to_dict(cfg), ["actor.epochs=1"])
     actor = EmbodiedActorWorker(cfg1, obs_space, act_space)
     box = isinstance(act_space, spaces.Box)
     act_shape = act_space.shape if box else ()
@@ -237,7 +238,7 @@ def main() -> None:
                 "run.save_every=0", "run.stop_return=null"] + ([] if args.seed is None else [f"run.seed={args.seed}"])
         if env_id == "CartPole-v1" and args.cartpole == "sb3":
             over += SB3_DEFAULTS + ["run.steps=49"]  # 49 x 8 x 256 = 100k env steps
-        cfg = C.load(C.EmbodiedConfig, preset, over)
+        cfg = C.load(EmbodiedConfig, preset, over)
         if args.total_steps:
             cfg.run.steps = -(-args.total_steps // (cfg.rollout.steps * cfg.env.num_envs))
         if args.placement:

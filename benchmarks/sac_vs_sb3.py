@@ -65,8 +65,9 @@ def sb3_model(seed: int, common: bool = False):
     from torch import nn
 
     from m2flow import config as C
+    from m2flow.embodied.config import EmbodiedConfig
 
-    cfg = C.load(C.EmbodiedConfig, PRESET, SETTINGS)
+    cfg = C.load(EmbodiedConfig, PRESET, SETTINGS)
     s, p = cfg.sac, cfg.policy
     env = make_vec_env(cfg.env.id, n_envs=cfg.env.num_envs, seed=seed)
     model = SAC("MlpPolicy", env, learning_rate=cfg.actor.lr, buffer_size=s.buffer_size,
@@ -115,11 +116,12 @@ def common_start(model, seed: int) -> None:
     import torch
 
     from m2flow import config as C
+    from m2flow.embodied.config import EmbodiedConfig
     from m2flow.embodied.sac.learner import SACLearnerWorker
     from m2flow.embodied.workers.policy import noise_seed, uniform_actions
 
     # the learner's weights do not depend on its buffer's capacity (it is built after them): one row, not the preset's
-    its = C.load(C.EmbodiedConfig, PRESET, [*SETTINGS, f"run.seed={seed}", "sac.buffer_size=1"])
+    its = C.load(EmbodiedConfig, PRESET, [*SETTINGS, f"run.seed={seed}", "sac.buffer_size=1"])
     learner = SACLearnerWorker(its, model.observation_space, model.action_space)
     with torch.no_grad():
         for src, dst in [*actor_pairs(learner.policy, model), (learner.critic, model.critic),
@@ -158,8 +160,9 @@ def sb3_evaluate(model, env, episodes: int, seed: int) -> list[float]:
 def m2flow_run(steps: int, seed: int, plan: str, out: Path) -> dict:
     """The preset through the `m2flow` command in `plan`: run.steps from the env steps asked."""
     from m2flow import config as C
+    from m2flow.embodied.config import EmbodiedConfig
 
-    cfg = C.load(C.EmbodiedConfig, PRESET, SETTINGS)
+    cfg = C.load(EmbodiedConfig, PRESET, SETTINGS)
     per_iteration = cfg.env.num_envs * cfg.sac.train_freq
     name = f"m2flow_{plan}_{seed}"
     cmd = [str(Path(sys.executable).with_name("m2flow")), "train", PRESET, f"run.steps={-(-steps // per_iteration)}",
@@ -192,10 +195,11 @@ def update_only(threads: int, rounds: int = 5, n: int = 64, critics: tuple[str, 
     from torch import nn
 
     from m2flow import config as C
+    from m2flow.embodied.config import EmbodiedConfig
     from m2flow.embodied.sac.learner import SACLearnerWorker
 
     torch.set_num_threads(threads)
-    cfg = C.load(C.EmbodiedConfig, PRESET, ["sac.buffer_size=100000", *SETTINGS])
+    cfg = C.load(EmbodiedConfig, PRESET, ["sac.buffer_size=100000", *SETTINGS])
     env = gym.make(cfg.env.id)
     obs, act, size = env.observation_space.shape, env.action_space.shape, 20_000
     data = {"obs": torch.randn(size, *obs), "actions": torch.rand(size, *act) * 2 - 1, "rewards": torch.randn(size),
@@ -213,7 +217,7 @@ def update_only(threads: int, rounds: int = 5, n: int = 64, critics: tuple[str, 
     for name, extra in variants:
         if "parallel" in name and threads < 2:
             continue  # two threads of one core each: nothing to run them on
-        its = C.load(C.EmbodiedConfig, PRESET, ["sac.buffer_size=100000", *SETTINGS, *extra])
+        its = C.load(EmbodiedConfig, PRESET, ["sac.buffer_size=100000", *SETTINGS, *extra])
         learners[name] = SACLearnerWorker(its, env.observation_space, env.action_space)
         learners[name].buffer.add(data)
         learners[name].env_steps = size  # past learning_starts

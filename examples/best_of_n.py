@@ -12,6 +12,7 @@ import time
 
 from m2flow import config as C
 from m2flow.engines.hf import load_tokenizer
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.tasks.datasets import build_datasets
 from m2flow.reasoning.warm_start import prepare_model
 from m2flow.reasoning.workers.actor import ActorWorker
@@ -42,7 +43,7 @@ class Select(Worker):
         return {"select/kept": kept / max(groups, 1)}
 
 
-def train(cfg: C.ReasoningConfig, placement: str, cluster: Cluster | None = None) -> list[dict]:
+def train(cfg: ReasoningConfig, placement: str, cluster: Cluster | None = None) -> list[dict]:
     cluster = cluster or Cluster(cpu_devices=2)
     model = prepare_model(cfg, cfg.run.path)  # a tiny model + SFT warm start, as the reasoning flow builds it
     prompts, _ = build_datasets(cfg.data, load_tokenizer(model), cfg.run.seed)
@@ -71,5 +72,5 @@ def train(cfg: C.ReasoningConfig, placement: str, cluster: Cluster | None = None
 
 
 if __name__ == "__main__":
-    cfg = C.load(C.ReasoningConfig, "grpo_arithmetic", ["run.name=best_of_n", "run.steps=20", *sys.argv[2:]])
+    cfg = C.load(ReasoningConfig, "grpo_arithmetic", ["run.name=best_of_n", "run.steps=20", *sys.argv[2:]])
     train(cfg, sys.argv[1] if len(sys.argv) > 1 else "rollout,reward,select,inference,actor: 0")

@@ -40,8 +40,10 @@ def load_config(config: Any, overrides: list[str] | None = None):
     object, with dotted overrides (`["run.steps=5", "actor.lr=1e-4"]`). A file's or dict's `flow:` key picks the
     class (reasoning when absent). Bad fields raise `m2flow.config.ConfigError` naming the field."""
     from m2flow import config as C
+    from m2flow.embodied.config import EmbodiedConfig
+    from m2flow.reasoning.config import ReasoningConfig
 
-    flows = {"reasoning": C.ReasoningConfig, "embodied": C.EmbodiedConfig}
+    flows = {"reasoning": ReasoningConfig, "embodied": EmbodiedConfig}
     if isinstance(config, tuple(flows.values())):
         return C.load(type(config), C.to_dict(config), overrides) if overrides else config
     data = dict(config) if isinstance(config, dict) else C.read_yaml(C.resolve_path(config))
@@ -57,15 +59,15 @@ def train(config: Any, overrides: list[str] | None = None, cluster=None) -> Trai
     default: the config's `cluster.address`, else a local Ray instance). The plan is chosen first, then handed to the
     flow: the one `cluster.placement` names, or with `auto` the fastest the planner predicts from a profile of this
     run's components (profile.json, plan_candidates.txt and, after training, plan_report.json in the run directory)."""
-    from m2flow import config as C
     from m2flow.preflight import preflight
+    from m2flow.reasoning.config import ReasoningConfig
     from m2flow.run_dir import run_dir_claimed
     from m2flow.runtime import Cluster
 
     cfg = load_config(config, overrides)
     preflight(cfg)  # placement, model, data, reward, env: a mistake found before Ray starts
     auto = cfg.cluster.placement == "auto"
-    reasoning_run = isinstance(cfg, C.ReasoningConfig)
+    reasoning_run = isinstance(cfg, ReasoningConfig)
     # the run directory first: a run already there is refused (or resumed, or removed) before anything starts
     with run_dir_claimed(cfg.run.path, cfg.run.resume, cfg.run.overwrite):
         cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices,
@@ -97,15 +99,15 @@ def measure_plan(config: Any, placement: str, granularity: int, run_dir: str | P
     `placement` at `granularity` (reasoning: samples per message, `actor.micro_batch`; embodied: env pipeline
     stages), in `run_dir` (a run already there is replaced); returns the median step time, the first step left
     out. What benchmarks/plans.py and the auto-mode tests put beside the planner's predictions."""
-    from m2flow import config as C
     from m2flow.auto import measured_step_seconds
+    from m2flow.embodied.config import EmbodiedConfig
 
     cfg = load_config(config)
     run_dir = Path(run_dir)
     cfg = dc_replace(cfg, run=dc_replace(cfg.run, dir=str(run_dir.parent), name=run_dir.name, steps=steps, trace=False,
                                          progress=False, save_every=0, resume=False, overwrite=True),
                      cluster=dc_replace(cfg.cluster, placement=placement))
-    if isinstance(cfg, C.EmbodiedConfig):  # without evaluation or an early stop
+    if isinstance(cfg, EmbodiedConfig):  # without evaluation or an early stop
         cfg = dc_replace(cfg, env=dc_replace(cfg.env, pipeline_stages=granularity), eval=dc_replace(cfg.eval, episodes=0),
                          run=dc_replace(cfg.run, eval_every=0, stop_return=None))
         key = "time/iteration"

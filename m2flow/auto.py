@@ -12,7 +12,8 @@ import json
 import statistics
 from pathlib import Path
 
-from m2flow.config import EmbodiedConfig, UserError, place_beside
+from m2flow.config import UserError
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.plans import COMPONENTS as EMBODIED
 from m2flow.embodied.plans import embodied_plans
 from m2flow.embodied.profiler import profile_embodied
@@ -21,6 +22,7 @@ from m2flow.planner.profile import Profile
 from m2flow.planner.search import Candidate, SearchResult, search
 from m2flow.reasoning.profiler import components_of, profile_reasoning
 from m2flow.runtime import Cluster
+from m2flow.runtime.placement import place_beside
 
 TABLE_ROWS = 20  # candidates shown in plan_candidates.txt (plan_search.json lists all)
 

@@ -168,12 +168,13 @@ def cmd_eval(args) -> int:
 
 def cmd_sft(args) -> int:
     from m2flow import config as C
+    from m2flow.reasoning.config import ReasoningConfig
     from m2flow.reasoning.warm_start import sft_model
 
     if args.demos is not None:
         return behaviour_clone(args)
     steps, batch_size, lr = args.steps or 600, args.batch_size or 64, args.lr or 3e-3
-    cfg = C.load(C.ReasoningConfig, None, args.overrides + [f"sft.steps={steps}", f"sft.batch_size={batch_size}",
+    cfg = C.load(ReasoningConfig, None, args.overrides + [f"sft.steps={steps}", f"sft.batch_size={batch_size}",
                                                             f"sft.lr={lr}"])
     sft_model(args.model, args.out, cfg)
     print(f"fine-tuned model: {args.out}")
@@ -183,10 +184,11 @@ def cmd_sft(args) -> int:
 def behaviour_clone(args) -> int:
     from m2flow import api
     from m2flow import config as C
+    from m2flow.embodied.config import EmbodiedConfig
     from m2flow.embodied.flow import behaviour_clone
 
     cfg = api.load_config(args.model, args.overrides)
-    if not isinstance(cfg, C.EmbodiedConfig):
+    if not isinstance(cfg, EmbodiedConfig):
         raise C.UserError(f"sft --demos: '{args.model}' is not an embodied config (flow: embodied)")
     if args.demo_episodes is not None and args.demo_episodes < 1:
         raise C.UserError(f"sft --demo-episodes must be >= 1, got {args.demo_episodes}")

@@ -10,6 +10,7 @@ import time
 from m2flow import config as C
 from m2flow.api import train
 from m2flow.preflight import preflight
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.evaluation import evaluate_model
 from m2flow.reasoning.warm_start import prepare_model
 from m2flow.run_dir import holds_run, run_dir_claimed
@@ -18,7 +19,7 @@ from m2flow.run_dir import holds_run, run_dir_claimed
 def run_demo(overrides: list[str] | None = None, cluster=None) -> dict:
     """`make demo`: SFT warm start, held-out evaluation, GRPO (held-out pass@1 every `run.eval_every` steps), the
     evaluation again, a summary table and the line `held-out accuracy: BEFORE% -> AFTER%`."""
-    cfg = C.load(C.ReasoningConfig, "demo", overrides)
+    cfg = C.load(ReasoningConfig, "demo", overrides)
     preflight(cfg)  # before the warm start: a mistake costs a second, not the minutes before GRPO starts
     t0 = time.perf_counter()
     replaced = holds_run(cfg.run.path) if cfg.run.overwrite else ""

@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 
 from m2flow import config as C
+from m2flow.embodied.config import EmbodiedClusterConfig, EmbodiedConfig
+from m2flow.reasoning.config import ReasoningConfig, reasoning_components, refill_reward_ranks
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -23,7 +25,7 @@ def preflight(cfg) -> None:
     """Raise UserError for the first problem found in `cfg` (a ReasoningConfig or EmbodiedConfig)."""
     _cluster_address(cfg.cluster.address)
     _placement(cfg)
-    if isinstance(cfg, C.EmbodiedConfig):
+    if isinstance(cfg, EmbodiedConfig):
         _env_id(cfg.env.id)
         if cfg.policy.init and not (Path(cfg.policy.init) / "policy.safetensors").is_file():
             raise C.UserError(f"policy.init: '{cfg.policy.init}' holds no policy.safetensors (expected an embodied "
@@ -137,15 +139,15 @@ def _placement(cfg) -> None:
     devices = None if cfg.cluster.address else local_devices(cfg.cluster.cpu_devices)
     if spec == "auto" or devices is None:
         return
-    embodied = isinstance(cfg, C.EmbodiedConfig)
-    components = list(C.EmbodiedClusterConfig.COMPONENTS) if embodied else C.reasoning_components(cfg)
+    embodied = isinstance(cfg, EmbodiedConfig)
+    components = list(EmbodiedClusterConfig.COMPONENTS) if embodied else reasoning_components(cfg)
     try:
         placed = parse_placement(spec, devices, components)
     except PlacementError as e:
         raise C.UserError(f"cluster.placement: {e} (this machine gives {devices} device(s); cluster.cpu_devices "
                           f"sets how many CPU devices)") from None
-    if isinstance(cfg, C.ReasoningConfig):
-        C.refill_reward_ranks(cfg, placed["reward"].world_size)
+    if isinstance(cfg, ReasoningConfig):
+        refill_reward_ranks(cfg, placed["reward"].world_size)
     else:
         _env_split(cfg.env, placed["env"].world_size)
 

@@ -12,12 +12,14 @@ def profile_command(config: str, overrides: list[str], out: str | None = None, b
     """`m2flow profile CONFIG [overrides] [--out P.json] [--batches 8,16,32]`: profile the config's flow (reasoning or
     embodied; embodied batches are env counts), write the table, return a summary."""
     from m2flow import config as C
+    from m2flow.embodied.config import EmbodiedConfig
+    from m2flow.reasoning.config import ReasoningConfig
 
     data = C.read_yaml(C.resolve_path(config))
     flow = data.get("flow", "reasoning")
     if flow not in ("reasoning", "embodied"):
         raise C.ConfigError(f"config '{config}': flow must be reasoning | embodied, got '{flow}'")
-    cfg = C.load(C.ReasoningConfig if flow == "reasoning" else C.EmbodiedConfig, data, overrides)
+    cfg = C.load(ReasoningConfig if flow == "reasoning" else EmbodiedConfig, data, overrides)
     cluster = Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
     try:
         sizes = [int(s) for s in batches.split(",")] if batches else None

@@ -20,7 +20,8 @@ import torch
 import yaml
 
 from m2flow import config as C
-from m2flow.config import EmbodiedConfig
+from m2flow.embodied.config import EmbodiedClusterConfig
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.envs import maniskill
 from m2flow.embodied.sac.learner import REPLAY_FILE, SACLearnerWorker
 from m2flow.embodied.workers.actor import EmbodiedActorWorker, load_policy
@@ -33,7 +34,7 @@ from m2flow.runtime.files import load_plain
 from m2flow.runtime.sync import finish_sync, load_published, start_sync, sync_weights
 from m2flow.runtime.tracer import plot_timeline, write_chrome_trace
 
-COMPONENTS = list(C.EmbodiedClusterConfig.COMPONENTS)  # env, rollout, actor
+COMPONENTS = list(EmbodiedClusterConfig.COMPONENTS)  # env, rollout, actor
 PLOTS = {
     "return": ["rollout/return", "rollout/return_window", "eval/return_mean"],
     "success": ["rollout/success_once"],

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from m2flow.config import EmbodiedClusterConfig
+from m2flow.embodied.config import EmbodiedClusterConfig
 from m2flow.runtime import Channel, Cluster, parse_placement, running
 from m2flow.runtime.probe import Probe
 from m2flow.planner.profile import (

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from m2flow import config as C
 from m2flow.engines.hf import load_model, load_tokenizer
+from m2flow.reasoning.config import DataConfig, ReasoningConfig
 from m2flow.reasoning.tasks.datasets import build_datasets, reward_name, reward_timeout
 from m2flow.reasoning.tasks.evaluate import evaluate
 from m2flow.run_dir import latest_checkpoint
@@ -18,7 +19,7 @@ def model_dir(path: str) -> str:
     return str(p / "model") if (p / "model" / "config.json").exists() else str(p)
 
 
-def eval_config(path: str, overrides: list[str] | None = None) -> tuple[str, C.ReasoningConfig, str]:
+def eval_config(path: str, overrides: list[str] | None = None) -> tuple[str, ReasoningConfig, str]:
     """What `m2flow eval PATH` evaluates: (model directory, config, where the config came from). A run directory
     means its newest checkpoint; a checkpoint (or its model/ directory) is evaluated under its run's config (data,
     reward, generation length: the checkpoint's config.yaml, else the run directory's), `overrides` on top; a bare
@@ -32,10 +33,10 @@ def eval_config(path: str, overrides: list[str] | None = None) -> tuple[str, C.R
     saved = [c for c in candidates if c.exists()]
     base = C.read_yaml(saved[0]) if saved else None
     source = f"the run's config ({saved[0]})" if saved else "the default config"
-    return model_dir(str(p)), C.load(C.ReasoningConfig, base, overrides), source
+    return model_dir(str(p)), C.load(ReasoningConfig, base, overrides), source
 
 
-def describe_eval_data(data: C.DataConfig, seed: int) -> str:
+def describe_eval_data(data: DataConfig, seed: int) -> str:
     """The held-out split in words, e.g. `2-digit '+' arithmetic (seed 0), held-out split of 200 problems`."""
     if data.task == "file":
         return f"{data.path}, held-out split (its last {data.eval_size} records)"
@@ -43,7 +44,7 @@ def describe_eval_data(data: C.DataConfig, seed: int) -> str:
     return f"{what} (seed {seed}), held-out split of {data.eval_size} problems"
 
 
-def evaluate_model(path: str, cfg: C.ReasoningConfig, k: int = 8, limit: int | None = None) -> dict:
+def evaluate_model(path: str, cfg: ReasoningConfig, k: int = 8, limit: int | None = None) -> dict:
     """Greedy pass@1 and sampled pass@k of a model directory on the held-out split of `cfg.data`."""
     from m2flow.reasoning.workers.rollout import agent_hook, build_engine
 

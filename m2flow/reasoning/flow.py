@@ -16,8 +16,9 @@ import torch
 import yaml
 
 from m2flow import config as C
-from m2flow.config import ReasoningConfig
 from m2flow.engines.hf import load_tokenizer
+from m2flow.reasoning.config import reasoning_components, refill_reward_ranks
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.run_dir import RunDir, idle_metrics, offload_metrics, progress, run_dir_claimed
 from m2flow.runtime import (Channel, Cluster, foreground, gather_spans, launch_all, launch_cohosted, running,
                             wait_all)
@@ -60,7 +61,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
     names = components(cfg)
     plan = plan or make_plan(cfg.cluster.placement, cluster.num_devices, names,
                              cfg.rollout.prompts_per_step * cfg.rollout.n, cfg.actor.micro_batch)
-    C.refill_reward_ranks(cfg, len(plan["reward"].rank_devices))  # an auto plan's too
+    refill_reward_ranks(cfg, len(plan["reward"].rank_devices))  # an auto plan's too
     run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
     model_path = prepare_model(cfg, run.path)
     train_set, test_set = build_datasets(cfg.data, load_tokenizer(model_path), cfg.run.seed)
@@ -241,7 +242,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
 def components(cfg: ReasoningConfig) -> list[str]:
     """The flow's components: rollout, reward, inference, actor; the critic with `algorithm.name=ppo`; the tool
     component with `agent.tools`."""
-    return C.reasoning_components(cfg)
+    return reasoning_components(cfg)
 
 
 def context_switched(cfg: ReasoningConfig, plan: ExecutionPlan, groups: list) -> tuple[list, int]:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from m2flow import config as C
 from m2flow.engines.hf import load_tokenizer
 from m2flow.planner.profile import ComponentInfo, Machine, Profile, Transfer, Weights, median_rows
+from m2flow.reasoning.config import reasoning_components
 from m2flow.reasoning.tasks.datasets import build_datasets
 from m2flow.reasoning.warm_start import prepare_model
 from m2flow.reasoning.workers.actor import ActorWorker
@@ -38,7 +38,7 @@ from m2flow.runtime.sync import sync_weights
 def components_of(cfg) -> tuple[str, ...]:
     """The components of the reasoning flow for `cfg` that a profile measures, in data order
     (`config.reasoning_components`: the critic with `algorithm.name=ppo`), the tool component aside."""
-    return tuple(c for c in C.reasoning_components(cfg) if c != "tool")
+    return tuple(c for c in reasoning_components(cfg) if c != "tool")
 
 
 BURST_SHARE = 0.5  # rollout "does not stream" when its first output came after this share of its work

@@ -165,3 +165,15 @@ def parse_placement(spec: str | dict, num_devices: int, components: Sequence[str
     else:
         mode = "hybrid"
     return Placement(spec, placed, mode)
+
+
+def place_beside(placement, name: str, beside: str):
+    """A placement with component `name` placed: as given where it names `name`, else beside `beside` (its entry
+    gains `name`: `d` beside `c` turns `a: 0; b,c: 1` into `a: 0; b,c,d: 1`)."""
+    spec = "; ".join(f"{k}: {v}" for k, v in placement.items()) if isinstance(placement, dict) else placement
+    entries = [e.strip() for e in str(spec).split(";") if e.strip()]
+    named = [[n.strip() for n in e.partition(":")[0].split(",")] for e in entries]
+    if any(name in names for names in named) or not any(beside in names for names in named):
+        return placement  # placed already; or no `beside`: the placement check names what is missing
+    return "; ".join(",".join(names + [name] if beside in names else names) + ":" + e.partition(":")[2]
+                     for names, e in zip(named, entries))

@@ -9,6 +9,7 @@ import yaml
 
 from m2flow import config as C
 from m2flow.api import train as api_train
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.flow import train
 
 TOOL_TRACE_TOKENS = 44  # <calc>37+45</calc><result>82</result>82 and eos, with room
@@ -19,7 +20,7 @@ def run(cluster, tmp_path, name, *overrides, trainer=train):
             "run.eval_every=2", "data.eval_size=40", "data.train_size=2000", "sft.steps=300", "sft.batch_size=64",
             "rollout.prompts_per_step=8", "rollout.n=4", f"rollout.max_new_tokens={TOOL_TRACE_TOKENS}",
             "cluster.placement=rollout,reward,inference,actor: 0-1:0"]
-    trainer(C.load(C.ReasoningConfig, None, base + list(overrides)), cluster=cluster)
+    trainer(C.load(ReasoningConfig, None, base + list(overrides)), cluster=cluster)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from m2flow import config as C
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.flow import train
 
 COLLOCATED = ["cluster.placement=rollout,reward,inference,actor: 0-1:0", "reward.fn=reward_fixtures:digit_fraction"]
@@ -15,7 +16,7 @@ def run(cluster, tmp_path, name, *overrides):
     base = [f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.trace=false", "run.steps=2",
             "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4", "actor.lr=1e-3",
             "data.train_size=200", "data.eval_size=20", *COLLOCATED]
-    train(C.load(C.ReasoningConfig, None, base + list(overrides)), cluster)
+    train(C.load(ReasoningConfig, None, base + list(overrides)), cluster)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -45,7 +46,7 @@ def test_gspo_gives_every_token_of_a_response_one_ratio(cluster, tmp_path):
     assert sum(r["actor/clipfrac"] for r in gspo) > sum(r["actor/clipfrac"] for r in ppo)
     assert all(r["actor/clipfrac"] > 0 for r in gspo)
     with pytest.raises(C.ConfigError, match="algorithm.policy_loss must be ppo | gspo, got 'gpo'"):
-        C.load(C.ReasoningConfig, None, ["algorithm.policy_loss=gpo"])
+        C.load(ReasoningConfig, None, ["algorithm.policy_loss=gpo"])
 
 
 def test_dual_clip_caps_negative_advantage_tokens_whose_ratio_rose(cluster, tmp_path):
@@ -85,7 +86,7 @@ def test_overlong_penalty_takes_reward_from_responses_near_the_length_limit(clus
     assert penalized["reward/shaped_mean"] == pytest.approx(shaped)
     assert plain["reward/shaped_mean"] == pytest.approx(plain["reward/mean"])  # what the advantages are made of
     with pytest.raises(C.ConfigError, match=r"overlong_buffer must be in \[0, rollout.max_new_tokens = 4\], got 5"):
-        C.load(C.ReasoningConfig, None, ["rollout.max_new_tokens=4", "algorithm.overlong_buffer=5"])
+        C.load(ReasoningConfig, None, ["rollout.max_new_tokens=4", "algorithm.overlong_buffer=5"])
 
 
 def test_overlong_filter_trains_only_on_responses_that_stopped(cluster, tmp_path):
@@ -155,9 +156,9 @@ def test_refill_stops_after_its_rounds_when_no_group_has_signal(cluster, tmp_pat
 
 def test_refill_rounds_are_checked():
     with pytest.raises(C.ConfigError, match="set algorithm.dynamic_sampling=true"):
-        C.load(C.ReasoningConfig, None, ["algorithm.refill_rounds=2"])
+        C.load(ReasoningConfig, None, ["algorithm.refill_rounds=2"])
     with pytest.raises(C.ConfigError, match="needs on-policy rollouts"):
-        C.load(C.ReasoningConfig, None, ["algorithm.refill_rounds=2", "algorithm.dynamic_sampling=true",
+        C.load(ReasoningConfig, None, ["algorithm.refill_rounds=2", "algorithm.dynamic_sampling=true",
                                          "algorithm.max_staleness=1"])
     with pytest.raises(C.ConfigError, match="algorithm.refill_rounds must be >= 0, got -1"):
-        C.load(C.ReasoningConfig, None, ["algorithm.refill_rounds=-1", "algorithm.dynamic_sampling=true"])
+        C.load(ReasoningConfig, None, ["algorithm.refill_rounds=-1", "algorithm.dynamic_sampling=true"])

@@ -14,6 +14,7 @@ from m2flow import config as C
 from m2flow.api import measure_plan, train
 from m2flow.auto import flow_plans
 from m2flow.planner.profile import Profile
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.runtime import parse_placement
 
 COMPONENTS = ["rollout", "reward", "inference", "actor"]
@@ -21,7 +22,7 @@ STEPS = 4  # per plan; the first warms up, the median of the other 3 is the meas
 
 
 def make_cfg(tmp_path, placement="auto"):
-    return C.load(C.ReasoningConfig, None, [
+    return C.load(ReasoningConfig, None, [
         f"run.dir={tmp_path}", "run.name=auto", "run.progress=false", "run.trace=false", f"run.steps={STEPS}",
         "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=8", "actor.micro_batch=32",
         "data.train_size=200", "data.eval_size=20", f"cluster.placement={placement}"])

@@ -10,6 +10,7 @@ from auto_check import auto_outputs, check_auto_choice
 
 from m2flow import config as C
 from m2flow.api import measure_plan, train
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.planner.profile import Profile
 from m2flow.runtime import parse_placement
 
@@ -18,7 +19,7 @@ STEPS = 4  # per plan; the first warms up, the median of the other 3 is the meas
 
 
 def make_cfg(tmp_path):
-    return C.load(C.EmbodiedConfig, None, [
+    return C.load(EmbodiedConfig, None, [
         f"run.dir={tmp_path}", "run.name=auto", "run.progress=false", "run.trace=false", f"run.steps={STEPS}",
         "env.id=CartPole-v1", "env.num_envs=8", "rollout.steps=32", "actor.epochs=4", "actor.minibatch_size=64",
         "eval.episodes=0", "cluster.placement=auto"])

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from m2flow import config as C
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.flow import train
 
 # README (bf16): the mean |trainer - rollout| logprob per response token on a bf16 run (float32: ~1e-7)
@@ -21,7 +22,7 @@ def run(cluster, tmp_path, name, *overrides):
             "run.eval_every=0", "data.train_size=200", "data.eval_size=20", "rollout.prompts_per_step=8",
             "rollout.n=4", "rollout.max_new_tokens=4", "actor.micro_batch=8", "actor.lr=1e-2",
             "reward.fn=reward_fixtures:digit_fraction", "rollout.check_weight_sync=true"]
-    train(C.load(C.ReasoningConfig, None, base + list(overrides)), cluster=cluster)
+    train(C.load(ReasoningConfig, None, base + list(overrides)), cluster=cluster)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 

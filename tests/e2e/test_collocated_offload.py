@@ -9,6 +9,8 @@ import yaml
 from safetensors.torch import load_file
 
 from m2flow import config as C
+from m2flow.embodied.config import EmbodiedConfig
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.flow import train
 
 COLLOCATED = "cluster.placement=rollout,reward,inference,actor: 0-1:0"
@@ -21,7 +23,7 @@ def run(cluster, tmp_path, name, *overrides):
             "run.save_every=2", "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4",
             "actor.lr=1e-3", "data.train_size=200", "data.eval_size=20", "reward.fn=reward_fixtures:digit_fraction",
             COLLOCATED, *STATEFUL]
-    train(C.load(C.ReasoningConfig, None, base + list(overrides)), cluster)
+    train(C.load(ReasoningConfig, None, base + list(overrides)), cluster)
     out = tmp_path / name
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], out
 
@@ -84,6 +86,6 @@ def test_offload_auto_switches_when_the_devices_state_exceeds_its_memory(cluster
 
 def test_offload_is_checked():
     with pytest.raises(C.ConfigError, match="cluster.offload must be true | false | auto, got 'sometimes'"):
-        C.load(C.ReasoningConfig, None, ["cluster.offload=sometimes"])
+        C.load(ReasoningConfig, None, ["cluster.offload=sometimes"])
     with pytest.raises(C.ConfigError, match="the embodied flow keeps its small policies resident"):
-        C.load(C.EmbodiedConfig, "ppo_cartpole", ["cluster.offload=true"])
+        C.load(EmbodiedConfig, "ppo_cartpole", ["cluster.offload=true"])

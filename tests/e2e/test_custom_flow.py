@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from m2flow import config as C
+from m2flow.reasoning.config import ReasoningConfig
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples"))  # the cluster fixture gives the workers this path too (conftest)
@@ -19,7 +20,7 @@ def test_the_example_flow_runs_collocated_and_disaggregated_alike(cluster, tmp_p
     runs = {}
     for name, placement in (("collocated", "rollout,reward,select,inference,actor: 0"),
                             ("disaggregated", "rollout: 0; reward,select,inference,actor: 1")):
-        runs[name] = best_of_n.train(C.load(C.ReasoningConfig, None, [*base, f"run.name={name}"]), placement, cluster)
+        runs[name] = best_of_n.train(C.load(ReasoningConfig, None, [*base, f"run.name={name}"]), placement, cluster)
     a, b = runs["collocated"], runs["disaggregated"]
     assert len(a) == len(b) == 3
     assert [r["select/kept"] for r in a] == [r["select/kept"] for r in b]

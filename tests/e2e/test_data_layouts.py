@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from m2flow import config as C
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.flow import train
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -19,7 +20,7 @@ def run(cluster, tmp_path, name, *overrides):
             "cluster.placement=rollout,reward,inference,actor: 0-1:0", "data.task=file", f"data.path={GSM8K}",
             "data.max_prompt_len=128", "data.eval_size=1", "rollout.prompts_per_step=2", "rollout.n=2",
             "rollout.max_new_tokens=4", *overrides]
-    train(C.load(C.ReasoningConfig, None, base), cluster)
+    train(C.load(ReasoningConfig, None, base), cluster)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 

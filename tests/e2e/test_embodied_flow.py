@@ -13,6 +13,7 @@ from gymnasium import spaces
 
 from m2flow import config as C
 from m2flow.api import load_config
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.envs import Trajectory
 from m2flow.embodied.flow import train
 from m2flow.embodied.workers.env import EnvWorker
@@ -47,7 +48,7 @@ def cfg_for(tmp_path, name, **over):
     base = {"run": {"name": name, "dir": str(tmp_path), "steps": 2, "progress": False},
             "env": {"id": "CartPole-v1", "num_envs": 8}, "rollout": {"steps": 32},
             "actor": {"epochs": 2, "minibatch_size": 128}, "eval": {"episodes": 0}}
-    return C.load(C.EmbodiedConfig, C.merge(base, over))
+    return C.load(EmbodiedConfig, C.merge(base, over))
 
 
 def rows(result):
@@ -56,7 +57,7 @@ def rows(result):
 
 def test_cartpole_ppo_preset_reaches_475(cluster, tmp_path):
     """The configs/ppo_cartpole.yaml preset as a user runs it (seeded): mean return >= 475, and a full run directory."""
-    cfg = C.load(C.EmbodiedConfig, "ppo_cartpole", [f"run.dir={tmp_path}", "run.progress=false"])
+    cfg = C.load(EmbodiedConfig, "ppo_cartpole", [f"run.dir={tmp_path}", "run.progress=false"])
     result = train(cfg, cluster)
     m = result["metrics"]
     assert m["rollout/return_window"] >= 475, m

@@ -10,7 +10,9 @@ import pytest
 from safetensors.torch import load_file
 
 from m2flow import config as C
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.flow import train as train_embodied
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.flow import train
 
 pytestmark = pytest.mark.cuda
@@ -24,7 +26,7 @@ def run(cluster, tmp_path, name, *overrides) -> list[dict]:
             "run.eval_every=0", "data.train_size=200", "data.eval_size=20", "rollout.prompts_per_step=8",
             "rollout.n=4", "rollout.max_new_tokens=4", "actor.micro_batch=8", "actor.lr=1e-2",
             "reward.fn=reward_fixtures:digit_fraction", "rollout.check_weight_sync=true", ALL_ON_THE_GPU]
-    train(C.load(C.ReasoningConfig, None, base + list(overrides)), cluster=cluster)
+    train(C.load(ReasoningConfig, None, base + list(overrides)), cluster=cluster)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -66,7 +68,7 @@ def test_offload_on_a_gpu_moves_state_off_it_between_turns_and_trains_as_residen
 
 def test_the_embodied_flow_runs_on_gpu_devices(gpu_cluster, tmp_path):
     """The embodied policies (small MLPs) stay on the CPU on GPU devices; the flow runs as on CPU slots."""
-    cfg = C.load(C.EmbodiedConfig, "ppo_cartpole", [f"run.dir={tmp_path}", "run.name=cartpole", "run.progress=false",
+    cfg = C.load(EmbodiedConfig, "ppo_cartpole", [f"run.dir={tmp_path}", "run.name=cartpole", "run.progress=false",
                                                      "run.steps=2", "cluster.placement=env,rollout,actor: 0"])
     train_embodied(cfg, gpu_cluster)
     rows = [json.loads(line) for line in (tmp_path / "cartpole" / "metrics.jsonl").read_text().splitlines()]

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from m2flow import config as C
 from m2flow.engines.hf import load_model
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.evaluation import evaluate_model
 from m2flow.reasoning.flow import train
 
@@ -20,7 +21,7 @@ TOOL_TRACE_TOKENS = 44  # <calc>37+45</calc><result>82</result>82 and eos, with 
 def run(cluster, tmp_path, name, *overrides):
     base = [f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.trace=false",
             "data.train_size=2000", "data.eval_size=100", "sft.batch_size=64"]
-    train(C.load(C.ReasoningConfig, None, base + list(overrides)), cluster=cluster)
+    train(C.load(ReasoningConfig, None, base + list(overrides)), cluster=cluster)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -49,7 +50,7 @@ def test_a_lora_run_learns_and_syncs_only_its_adapters(cluster, tmp_path):
     # model/ is the merged model, a plain HF directory: `m2flow eval` scores it as the run's last evaluation did
     merged = load_file(str(ckpt / "model" / "model.safetensors"))
     assert not any("lora" in n or "base_layer" in n for n in merged)
-    cfg = C.load(C.ReasoningConfig, str(tmp_path / "lora" / "config.yaml"))
+    cfg = C.load(ReasoningConfig, str(tmp_path / "lora" / "config.yaml"))
     assert evaluate_model(str(ckpt / "model"), cfg, k=1)["pass@1"] == pytest.approx(held_out[1], abs=0.011)
     # and adapter/ on the warm-start model is the same function
     peft = PeftModel.from_pretrained(load_model(tmp_path / "lora" / "sft_model"), str(ckpt / "adapter")).eval()

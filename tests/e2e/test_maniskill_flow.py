@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from m2flow import config as C
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.flow import behaviour_clone, train
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "demos"
@@ -20,12 +21,12 @@ def run(cluster, tmp_path, name, *overrides):
     base = [f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.steps=2", "eval.episodes=0",
             "env.num_envs=4", "env.max_episode_steps=20", "rollout.steps=20", "actor.minibatch_size=40",
             "actor.epochs=2"]
-    result = train(C.load(C.EmbodiedConfig, "ppo_pickcube", base + list(overrides)), cluster)
+    result = train(C.load(EmbodiedConfig, "ppo_pickcube", base + list(overrides)), cluster)
     return result, [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
 
 
 def test_behaviour_cloning_then_ppo_from_it_lockstep_and_pipelined(cluster, tmp_path):
-    cfg = C.load(C.EmbodiedConfig, "ppo_pickcube", ["eval.episodes=20"])
+    cfg = C.load(EmbodiedConfig, "ppo_pickcube", ["eval.episodes=20"])
     bc = behaviour_clone(cfg, DEMOS, tmp_path / "bc", steps=2000, show=False)
     print(f"\nbehaviour cloning: {bc['eval']}")
     assert bc["demo_episodes"] == 50 and bc["demo_steps"] == 1191
@@ -63,13 +64,13 @@ def test_embodied_grpo_scores_pickcube_groups_by_success(cluster, tmp_path):
 def test_one_instruction_conditioned_policy_clones_three_tasks_and_trains_on_them(cluster, tmp_path):
     """ppo_maniskill3: envs 0, 1, 2 run PickCube, PushCube and StackCube, their observations carrying the
     instruction; one policy is cloned from the three datasets, evaluated per task, and PPO trains it on all three."""
-    cfg = C.load(C.EmbodiedConfig, "ppo_maniskill3", ["eval.episodes=3", "eval.num_envs=3"])
+    cfg = C.load(EmbodiedConfig, "ppo_maniskill3", ["eval.episodes=3", "eval.num_envs=3"])
     demos = ",".join(str(FIXTURES / task) for task in cfg.env.id.split(","))
     bc = behaviour_clone(cfg, demos, tmp_path / "bc", steps=200, episodes=10, show=False)
     assert bc["demo_episodes"] == 10 + 10 + 7  # the first 10 of each; the failed StackCube ones left out
     assert sorted(k for k in bc["eval"] if k.startswith("success_rate/")) == [
         "success_rate/PickCube-v1", "success_rate/PushCube-v1", "success_rate/StackCube-v1"]
-    result = train(C.load(C.EmbodiedConfig, "ppo_maniskill3", [
+    result = train(C.load(EmbodiedConfig, "ppo_maniskill3", [
         f"run.dir={tmp_path}", "run.name=multi", "run.progress=false", "run.steps=2", "eval.episodes=3",
         "eval.num_envs=3", "env.num_envs=3", "env.max_episode_steps=20", "rollout.steps=20",
         "actor.minibatch_size=30", "actor.epochs=1", f"policy.init={tmp_path / 'bc'}",
@@ -86,7 +87,7 @@ def test_the_rlpd_pickcube_preset_trains_sac_on_the_demonstrations_past_success(
     over = [f"run.dir={tmp_path}", "run.name=rlpd", "run.progress=false", "run.trace=false", "run.steps=4",
             "eval.episodes=0", "env.max_episode_steps=16", f"sac.demos={DEMOS}", "sac.demo_episodes=5",
             "policy.hidden=[32,32]", "sac.buffer_size=1000"]
-    result = train(C.load(C.EmbodiedConfig, "rlpd_pickcube", over), cluster)
+    result = train(C.load(EmbodiedConfig, "rlpd_pickcube", over), cluster)
     rows = [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
     assert [r["sac/updates"] for r in rows] == [0, 32, 32, 32]  # lag 1: the first iteration's buffer is empty
     assert [r["env_steps"] for r in rows] == [64, 128, 192, 256]
@@ -100,7 +101,7 @@ def test_sac_starts_from_its_own_behaviour_cloned_actor(cluster, tmp_path):
     """`m2flow sft rlpd_pickcube BC`, then `m2flow train rlpd_pickcube policy.init=BC`: SFT, then RL, as RLinf runs
     them, with SAC. The squashed actor clones the shipped demonstrations to some held-out success, and the RL run's
     first episodes, collected with the clone's weights, reach for the cube where a fresh actor's do not."""
-    bc = behaviour_clone(C.load(C.EmbodiedConfig, "rlpd_pickcube", ["eval.episodes=10"]), DEMOS, tmp_path / "bc",
+    bc = behaviour_clone(C.load(EmbodiedConfig, "rlpd_pickcube", ["eval.episodes=10"]), DEMOS, tmp_path / "bc",
                          steps=2000, show=False)
     print(f"\nbehaviour cloning (SAC's actor): {bc['eval']}")
     assert bc["eval"]["success_rate"] > 0 and bc["eval"]["episodes"] == 10
@@ -108,7 +109,7 @@ def test_sac_starts_from_its_own_behaviour_cloned_actor(cluster, tmp_path):
             "env.max_episode_steps=16", f"sac.demos={DEMOS}", "sac.demo_episodes=5", "sac.buffer_size=1000"]
     returns = {}
     for name, init in (("scratch", []), ("cloned", [f"policy.init={tmp_path / 'bc'}"])):
-        result = train(C.load(C.EmbodiedConfig, "rlpd_pickcube", [*over, f"run.name={name}", *init]), cluster)
+        result = train(C.load(EmbodiedConfig, "rlpd_pickcube", [*over, f"run.name={name}", *init]), cluster)
         rows = [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
         returns[name] = rows[1]["rollout/return"]  # 8 episodes of 16 steps, with the first weights (lag 1)
     print(f"first episodes' return: {returns}")

@@ -5,6 +5,7 @@ on device 0 in two stages, the policy on device 1), with the simulator's success
 import json
 
 from m2flow import config as C
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.envs import experts
 from m2flow.embodied.flow import behaviour_clone, train
 
@@ -13,14 +14,14 @@ def run(cluster, tmp_path, name, *overrides):
     base = [f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.steps=2", "eval.episodes=0",
             "env.id=metaworld/reach-v3", "env.num_envs=4", "env.max_episode_steps=60", "rollout.steps=60",
             "actor.minibatch_size=80", "actor.epochs=2"]
-    result = train(C.load(C.EmbodiedConfig, "ppo_metaworld", base + list(overrides)), cluster)
+    result = train(C.load(EmbodiedConfig, "ppo_metaworld", base + list(overrides)), cluster)
     return result, [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
 
 
 def test_demos_behaviour_cloning_then_ppo_from_it_lockstep_and_pipelined(cluster, tmp_path):
     summary = experts.write_demos("metaworld/reach-v3", 6, tmp_path / "demos")
     assert summary["success_rate"] == 1.0
-    cfg = C.load(C.EmbodiedConfig, "ppo_metaworld", ["env.id=metaworld/reach-v3", "eval.episodes=10"])
+    cfg = C.load(EmbodiedConfig, "ppo_metaworld", ["env.id=metaworld/reach-v3", "eval.episodes=10"])
     bc = behaviour_clone(cfg, tmp_path / "demos", tmp_path / "bc", steps=300, show=False)
     print(f"\nbehaviour cloning: {bc['eval']}")
     assert bc["demo_episodes"] == 6 and bc["eval"]["success_rate"] >= 0.3  # held-out seeds; a random policy: 0%
@@ -48,7 +49,7 @@ def test_sac_with_demonstrations_in_its_minibatches_and_a_bc_term(cluster, tmp_p
             "sac.train_freq=8", "sac.gradient_steps=-1", "sac.learning_starts=0", "sac.batch_size=64",
             "sac.buffer_size=10000", f"sac.demos={tmp_path / 'demos'}", "sac.bc_coef=10",
             "cluster.placement=env,rollout,actor: 0"]
-    result = train(C.load(C.EmbodiedConfig, "ppo_metaworld", base), cluster)
+    result = train(C.load(EmbodiedConfig, "ppo_metaworld", base), cluster)
     rows = [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
     assert [r["sac/updates"] for r in rows] == [32] * 6 and rows[-1]["env_steps"] == 192
     bc = [r["sac/bc_loss"] for r in rows]

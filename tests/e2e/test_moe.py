@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from m2flow import config as C
 from m2flow.engines.hf import load_model
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.flow import train
 
 
@@ -19,7 +20,7 @@ def run(cluster, tmp_path, name, *overrides):
             "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4", "actor.micro_batch=8",
             "actor.lr=1e-2", "reward.fn=reward_fixtures:digit_fraction", "rollout.check_weight_sync=true"]
     # the native engine's warning is raised in the rollout's process; the metric rollout/native_engine says which ran
-    train(C.load(C.ReasoningConfig, None, base + list(overrides)), cluster=cluster)
+    train(C.load(ReasoningConfig, None, base + list(overrides)), cluster=cluster)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 

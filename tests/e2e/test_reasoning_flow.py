@@ -16,6 +16,8 @@ import yaml
 from safetensors.torch import load_file
 
 from m2flow import config as C
+from m2flow.embodied.config import EmbodiedConfig
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.flow import train
 from m2flow.runtime import WorkerError
 
@@ -27,7 +29,7 @@ def make_cfg(tmp_path, name, *overrides):
     base = [f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.steps=3",
             "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4", "actor.micro_batch=8",
             "actor.lr=1e-3", "data.train_size=200", "data.eval_size=20"]
-    return C.load(C.ReasoningConfig, None, base + list(overrides))
+    return C.load(ReasoningConfig, None, base + list(overrides))
 
 
 def rows(run_dir):
@@ -184,8 +186,8 @@ def test_on_policy_steps_reuse_the_rollout_logprobs(cluster, tmp_path):
     with pytest.raises(C.ConfigError, match=re.escape("rollout.check_weight_sync must be first | true | false, got 'last'")):
         make_cfg(tmp_path, "x", "rollout.check_weight_sync=last")
     with pytest.raises(C.ConfigError, match=re.escape("rollout.check_weight_sync must be first | true | false, got 'often'")):
-        C.load(C.EmbodiedConfig, None, ["rollout.check_weight_sync=often"])
-    assert [C.load(C.EmbodiedConfig, None, [f"rollout.check_weight_sync={v}"]).rollout.checks_sync(2)
+        C.load(EmbodiedConfig, None, ["rollout.check_weight_sync=often"])
+    assert [C.load(EmbodiedConfig, None, [f"rollout.check_weight_sync={v}"]).rollout.checks_sync(2)
             for v in ("first", "true", "false")] == [False, True, False]
 
 

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from m2flow import config as C
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.flow import train
 
 PPO = ["algorithm.name=ppo", "algorithm.advantage=gae", "critic.lr=1e-4", "reward.fn=reward_fixtures:digit_fraction"]
@@ -18,7 +19,7 @@ def run(cluster, tmp_path, name, *overrides):
             "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6", "actor.lr=1e-3",
             "data.train_size=400", "data.eval_size=20", "cluster.placement=rollout,reward,inference,actor: 0-1:0",
             *PPO]
-    train(C.load(C.ReasoningConfig, None, base + list(overrides)), cluster)
+    train(C.load(ReasoningConfig, None, base + list(overrides)), cluster)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -88,12 +89,12 @@ def test_critic_warmup_keeps_the_actor_still(cluster, tmp_path):
 
 def test_ppo_options_are_checked():
     with pytest.raises(C.ConfigError, match="set algorithm.advantage=gae"):
-        C.load(C.ReasoningConfig, None, ["algorithm.name=ppo"])
+        C.load(ReasoningConfig, None, ["algorithm.name=ppo"])
     with pytest.raises(C.ConfigError, match=r"gae with name=ppo"):
-        C.load(C.ReasoningConfig, None, ["algorithm.advantage=gae"])
-    cfg = C.load(C.ReasoningConfig, None, [*PPO, "cluster.placement=rollout: 0; reward,inference,actor: 1"])
+        C.load(ReasoningConfig, None, ["algorithm.advantage=gae"])
+    cfg = C.load(ReasoningConfig, None, [*PPO, "cluster.placement=rollout: 0; reward,inference,actor: 1"])
     assert cfg.cluster.placement == "rollout: 0; reward,inference,actor,critic: 1"
-    named = C.load(C.ReasoningConfig, None, [*PPO, "cluster.placement=rollout,critic: 0; reward,inference,actor: 1"])
+    named = C.load(ReasoningConfig, None, [*PPO, "cluster.placement=rollout,critic: 0; reward,inference,actor: 1"])
     assert named.cluster.placement == "rollout,critic: 0; reward,inference,actor: 1"
 
 
@@ -104,7 +105,7 @@ def test_auto_mode_profiles_the_critic_and_places_it(cluster, tmp_path):
     from m2flow.api import train as api_train
     from m2flow.planner.profile import Profile
 
-    cfg = C.load(C.ReasoningConfig, None, [
+    cfg = C.load(ReasoningConfig, None, [
         f"run.dir={tmp_path}", "run.name=auto", "run.progress=false", "run.trace=false", "run.steps=2",
         "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6", "data.train_size=200",
         "data.eval_size=20", "cluster.placement=auto", *PPO])

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from m2flow import config as C
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.flow import train
 from m2flow.embodied.sac.learner import SACLearnerWorker
 
@@ -34,7 +35,7 @@ def m2flow_start(cluster, tmp_path_factory):
     """The replay buffer and the initial weights of m2flow's run of SEED: the sac_halfcheetah preset before its first
     update (learning_starts is 10,000 env steps), saved after STEPS iterations."""
     bench = _benchmark()
-    cfg = C.load(C.EmbodiedConfig, bench.PRESET, [*bench.SETTINGS, f"run.dir={tmp_path_factory.mktemp('m2')}",
+    cfg = C.load(EmbodiedConfig, bench.PRESET, [*bench.SETTINGS, f"run.dir={tmp_path_factory.mktemp('m2')}",
                                                   "run.name=start", f"run.seed={SEED}", f"run.steps={STEPS}",
                                                   "run.progress=false", "run.trace=false", "eval.episodes=0",
                                                   *bench.PLANS["lockstep"]])
@@ -89,7 +90,7 @@ def m2flow_twin(cluster, tmp_path_factory):
     bench = _benchmark()
     bench.SETTINGS.extend([f"sac.learning_starts={TWIN_STARTS}", "sac.logp_eps=1e-6"])  # SB3's log-density
     run = tmp_path_factory.mktemp("twin")
-    cfg = C.load(C.EmbodiedConfig, bench.PRESET, [*bench.SETTINGS, f"run.dir={run}", "run.name=twin",
+    cfg = C.load(EmbodiedConfig, bench.PRESET, [*bench.SETTINGS, f"run.dir={run}", "run.name=twin",
                                                   f"run.seed={SEED}", f"run.steps={TWIN_STEPS}", "run.progress=false",
                                                   "run.trace=false", "eval.episodes=0", *bench.PLANS["lockstep"]])
     result = train(cfg, cluster)
@@ -151,7 +152,7 @@ def _twin_of_m2flow(bench, model, cfg, monkeypatch):
 
 def _weight_gaps(bench, model, state: dict) -> dict[str, float]:
     """The largest difference between SB3's weights and m2flow's checkpoint's `state`, per network and temperature."""
-    learner = SACLearnerWorker(C.load(C.EmbodiedConfig, bench.PRESET, [*bench.SETTINGS, "sac.buffer_size=1"]),
+    learner = SACLearnerWorker(C.load(EmbodiedConfig, bench.PRESET, [*bench.SETTINGS, "sac.buffer_size=1"]),
                                model.observation_space, model.action_space)
     learner.policy.load_state_dict({k: v for k, v in state.items() if not k.startswith(("critic.", "target.", "log_"))
                                     or k.startswith("log_std_head.")})

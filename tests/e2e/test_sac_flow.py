@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from m2flow import config as C
 from m2flow.cli import main
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.flow import evaluate_checkpoint, train
 from m2flow.runtime import WorkerError
 
@@ -26,7 +27,7 @@ class Touch:
 
 
 def cfg_for(tmp_path, name, *overrides):
-    return C.load(C.EmbodiedConfig, "sac_pendulum", [f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false",
+    return C.load(EmbodiedConfig, "sac_pendulum", [f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false",
                                                        "run.trace=false", *overrides])
 
 

@@ -15,6 +15,7 @@ import torch
 from m2flow import config as C
 from m2flow.engines.hf import init_tiny_model, load_model
 from m2flow.engines.train import collate, token_logprobs
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.flow import train
 from m2flow.reasoning.workers.actor import ActorWorker
 from m2flow.runtime import Channel, parse_placement, release_all, wait_all
@@ -26,7 +27,7 @@ TOL = 1e-5
 
 
 def make_cfg(tmp_path, *overrides, name="scale", micro_batch=2):
-    return C.load(C.ReasoningConfig, None, [
+    return C.load(ReasoningConfig, None, [
         f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.steps=4", "actor.lr=1e-3",
         f"actor.micro_batch={micro_batch}", "algorithm.loss_agg=seq-mean-token-mean", *overrides])
 

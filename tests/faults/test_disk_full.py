@@ -14,7 +14,9 @@ from safetensors.torch import load_file
 
 from m2flow import config as C
 from m2flow.embodied import flow as embodied
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.reasoning import flow as reasoning
+from m2flow.reasoning.config import ReasoningConfig
 
 STEPS = 40
 
@@ -83,12 +85,12 @@ def test_a_full_disk_stops_an_embodied_run_keeping_its_checkpoint_and_resume_con
     common = [f"run.dir={small_disk}", "run.name=r", "run.progress=false", "run.trace=false", "run.save_every=2",
               "run.stop_return=null", "eval.episodes=0", "env.num_envs=4", "rollout.steps=32",
               "cluster.placement=env,rollout,actor: 0"]
-    cfg = C.load(C.EmbodiedConfig, "ppo_cartpole", common + [f"run.steps={STEPS}"])
+    cfg = C.load(EmbodiedConfig, "ppo_cartpole", common + [f"run.steps={STEPS}"])
     newest = stopped_by_a_full_disk(embodied.train, cfg, cluster, small_disk)
     ckpt = small_disk / "r" / "checkpoints" / f"step_{newest}"
     assert load_file(str(ckpt / "policy.safetensors"))  # whole
     (small_disk / "filler").unlink()
-    embodied.train(C.load(C.EmbodiedConfig, "ppo_cartpole", common + ["run.resume=true", f"run.steps={newest + 2}"]),
+    embodied.train(C.load(EmbodiedConfig, "ppo_cartpole", common + ["run.resume=true", f"run.steps={newest + 2}"]),
                    cluster)
     rows = [json.loads(line) for line in (small_disk / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, newest + 3))
@@ -96,7 +98,7 @@ def test_a_full_disk_stops_an_embodied_run_keeping_its_checkpoint_and_resume_con
 
 @pytest.mark.timeout(300)
 def test_a_full_disk_stops_a_reasoning_run_keeping_its_checkpoint(cluster, small_disk):
-    cfg = C.load(C.ReasoningConfig, None, [
+    cfg = C.load(ReasoningConfig, None, [
         f"run.dir={small_disk}", "run.name=r", "run.progress=false", "run.trace=false", f"run.steps={STEPS}",
         "run.save_every=2", "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4",
         "model.tiny_hidden=32", "model.tiny_layers=1", "data.train_size=200", "data.eval_size=10",

@@ -7,12 +7,13 @@ import pytest
 
 from m2flow import config as C
 from m2flow.embodied import flow as embodied
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.runtime import WorkerError
 
 
 @pytest.mark.timeout(240)
 def test_an_env_step_that_never_returns_stops_the_run_naming_the_env_worker(cluster, tmp_path):
-    cfg = C.load(C.EmbodiedConfig, None, [
+    cfg = C.load(EmbodiedConfig, None, [
         f"run.dir={tmp_path}", "run.name=hang", "run.progress=false", "run.trace=false", "run.steps=3",
         "env.id=faulty_envs:Hang-v0", "env.num_envs=2", "rollout.steps=16", "eval.episodes=0",
         "env.step_timeout_s=3", "cluster.placement=env: 0; rollout,actor: 1"])
@@ -34,7 +35,7 @@ def test_an_env_step_that_raises_or_returns_nan_stops_the_run_naming_the_env_and
                                                                                        message):
     """The env worker's error reaches the driver with the env, where it happened and the bad value; the run stops at
     once (no garbage observation reaches the policy)."""
-    cfg = C.load(C.EmbodiedConfig, None, [
+    cfg = C.load(EmbodiedConfig, None, [
         f"run.dir={tmp_path}", "run.name=broken", "run.progress=false", "run.trace=false", "run.steps=3",
         f"env.id=faulty_envs:{env_id}", "env.num_envs=2", "rollout.steps=16", "eval.episodes=0",
         "cluster.placement=env: 0; rollout,actor: 1"])

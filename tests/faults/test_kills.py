@@ -19,7 +19,9 @@ from safetensors.torch import load_file
 
 from m2flow import config as C
 from m2flow.embodied import flow as embodied
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.reasoning import flow as reasoning
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.runtime import Group, WorkerError
 
 REASONING_SPLIT = "cluster.placement=rollout: 0; reward: 0; inference: 1; actor: 1"  # four processes
@@ -28,7 +30,7 @@ STEPS = 6
 
 
 def reasoning_cfg(tmp_path, name, *overrides):
-    return C.load(C.ReasoningConfig, None, [
+    return C.load(ReasoningConfig, None, [
         f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.trace=false", f"run.steps={STEPS}",
         "run.save_every=2", "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4",
         "actor.micro_batch=8", "actor.lr=1e-3", "data.train_size=200", "data.eval_size=10",
@@ -36,7 +38,7 @@ def reasoning_cfg(tmp_path, name, *overrides):
 
 
 def embodied_cfg(tmp_path, name, *overrides):
-    return C.load(C.EmbodiedConfig, "ppo_cartpole", [
+    return C.load(EmbodiedConfig, "ppo_cartpole", [
         f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.trace=false", f"run.steps={STEPS}",
         "run.save_every=2", "run.stop_return=null", "eval.episodes=0", "env.num_envs=4", "rollout.steps=64",
         EMBODIED_SPLIT, *overrides])

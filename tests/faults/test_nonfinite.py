@@ -11,9 +11,11 @@ from safetensors.torch import load_file, save_file
 
 from m2flow import config as C
 from m2flow.embodied import flow as embodied
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.engines.hf import init_tiny_model
 from m2flow.engines.train import collate
 from m2flow.reasoning import flow as reasoning
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.workers.actor import ActorWorker
 from m2flow.runtime import Channel, WorkerError, parse_placement, release_all
 from m2flow.runtime.stream import finish
@@ -22,7 +24,7 @@ from m2flow.types import Batch
 
 
 def reasoning_cfg(tmp_path, name, *overrides):
-    return C.load(C.ReasoningConfig, None, [
+    return C.load(ReasoningConfig, None, [
         f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.trace=false", "run.steps=3",
         "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4", "data.train_size=100",
         "data.eval_size=10",
@@ -66,7 +68,7 @@ def test_a_reward_function_that_cannot_score_most_samples_stops_the_run(cluster,
 
 @pytest.mark.timeout(300)
 def test_embodied_learning_rate_that_wrecks_the_policy_stops_the_run(cluster, tmp_path):
-    cfg = C.load(C.EmbodiedConfig, None, [
+    cfg = C.load(EmbodiedConfig, None, [
         f"run.dir={tmp_path}", "run.name=lr", "run.progress=false", "run.trace=false", "run.steps=3",
         "env.id=CartPole-v1", "env.num_envs=4", "rollout.steps=16", "eval.episodes=0", "actor.lr=1e6"])
     with pytest.raises(WorkerError, match=r"actor rank 0: train\(\) raised FloatingPointError: actor: one training "

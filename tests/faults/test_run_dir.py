@@ -9,6 +9,7 @@ import pytest
 
 from m2flow import config as C
 from m2flow.cli import main
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.run_dir import claim_run_dir, holds_run, release_run_dir, run_dir_claimed
 
 
@@ -99,7 +100,7 @@ def test_the_cli_refuses_in_one_line_with_exit_code_2_before_ray_starts(tmp_path
 
 def test_resume_and_overwrite_together_is_a_config_error():
     with pytest.raises(C.ConfigError, match="run.resume and run.overwrite are both true"):
-        C.load(C.ReasoningConfig, None, ["run.resume=true", "run.overwrite=true"])
+        C.load(ReasoningConfig, None, ["run.resume=true", "run.overwrite=true"])
 
 
 def test_a_checkpoint_cut_off_mid_write_is_never_picked(tmp_path):
@@ -108,7 +109,7 @@ def test_a_checkpoint_cut_off_mid_write_is_never_picked(tmp_path):
     or by an older version: resume picks step 2, the last complete one."""
     from m2flow.run_dir import RunDir, latest_checkpoint
 
-    run = RunDir(tmp_path / "r", C.load(C.ReasoningConfig))
+    run = RunDir(tmp_path / "r", C.load(ReasoningConfig))
     run.save_checkpoint(2, lambda d: (d / "weights").write_text("two"))
     ckpts = tmp_path / "r" / "checkpoints"
 

@@ -13,6 +13,7 @@ SCRIPT = START_NODES + textwrap.dedent('''
     import ray
 
     from m2flow import config as C
+    from m2flow.reasoning.config import ReasoningConfig
     from m2flow.reasoning.flow import train
     from m2flow.runtime import Cluster
 
@@ -20,7 +21,7 @@ SCRIPT = START_NODES + textwrap.dedent('''
     cluster = Cluster(address=nodes.address, cpu_devices=1)
     try:
         assert cluster.num_devices == 2 and cluster.device(0).node_id != cluster.device(1).node_id, cluster
-        cfg = C.load(C.ReasoningConfig, None, [
+        cfg = C.load(ReasoningConfig, None, [
             f"run.dir={sys.argv[1]}", "run.name=two_nodes", "run.progress=false", "run.steps=3", "run.trace=false",
             "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=4", "actor.micro_batch=8",
             "actor.backend=fsdp2", "data.train_size=100", "data.eval_size=10",

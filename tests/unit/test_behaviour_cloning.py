@@ -46,10 +46,11 @@ def test_rl_from_a_cloned_policy_starts_at_its_std_times_init_std_scale(tmp_path
     from safetensors.torch import save_file
 
     from m2flow import config as C
+    from m2flow.embodied.config import EmbodiedConfig
     from m2flow.embodied.workers.actor import EmbodiedActorWorker
     from m2flow.embodied.workers.policy import make_policy
 
-    cfg = C.load(C.EmbodiedConfig, "ppo_pickcube", [])
+    cfg = C.load(EmbodiedConfig, "ppo_pickcube", [])
     obs_space, action_space = spaces.Box(-np.inf, np.inf, (42,)), spaces.Box(-1, 1, (4,))
     cloned = make_policy(cfg, obs_space, action_space)
     with torch.no_grad():
@@ -57,7 +58,7 @@ def test_rl_from_a_cloned_policy_starts_at_its_std_times_init_std_scale(tmp_path
     save_file(cloned.state_dict(), str(tmp_path / "policy.safetensors"))
 
     def actor(*overrides):
-        return EmbodiedActorWorker(C.load(C.EmbodiedConfig, "ppo_pickcube", [f"policy.init={tmp_path}", *overrides]),
+        return EmbodiedActorWorker(C.load(EmbodiedConfig, "ppo_pickcube", [f"policy.init={tmp_path}", *overrides]),
                                    obs_space, action_space).policy
 
     assert actor().log_std.tolist() == pytest.approx([-1.0] * 4)
@@ -66,7 +67,7 @@ def test_rl_from_a_cloned_policy_starts_at_its_std_times_init_std_scale(tmp_path
     same = {k: v for k, v in cloned.state_dict().items() if k != "log_std"}
     assert all(torch.equal(narrowed.state_dict()[k], v) for k, v in same.items())
     with pytest.raises(C.ConfigError, match="policy.init_std_scale must be > 0, got 0.0"):
-        C.load(C.EmbodiedConfig, "ppo_pickcube", ["policy.init_std_scale=0"])
+        C.load(EmbodiedConfig, "ppo_pickcube", ["policy.init_std_scale=0"])
 
 
 def test_sacs_squashed_actor_clones_a_bang_bang_dimension_at_every_state():
@@ -102,13 +103,14 @@ def test_sac_from_a_cloned_actor_starts_at_its_std_times_init_std_scale(tmp_path
     from safetensors.torch import save_file
 
     from m2flow import config as C
+    from m2flow.embodied.config import EmbodiedConfig
     from m2flow.embodied.sac.learner import SACLearnerWorker
     from m2flow.embodied.workers.policy import make_policy
 
     obs_space, action_space = spaces.Box(-np.inf, np.inf, (42,)), spaces.Box(-1, 1, (4,))
-    cloned = make_policy(C.load(C.EmbodiedConfig, "rlpd_pickcube", []), obs_space, action_space)
+    cloned = make_policy(C.load(EmbodiedConfig, "rlpd_pickcube", []), obs_space, action_space)
     save_file(cloned.state_dict(), str(tmp_path / "policy.safetensors"))
-    cfg = C.load(C.EmbodiedConfig, "rlpd_pickcube", [f"policy.init={tmp_path}", "policy.init_std_scale=0.5",
+    cfg = C.load(EmbodiedConfig, "rlpd_pickcube", [f"policy.init={tmp_path}", "policy.init_std_scale=0.5",
                                                       "sac.demos=''", "sac.bc_coef=0"])
     learner = SACLearnerWorker(cfg, obs_space, action_space)
     obs = torch.randn(16, 42)
@@ -126,6 +128,7 @@ def test_a_behaviour_cloning_term_beside_the_rl_loss_pulls_the_policy_to_the_dem
 
     from m2flow import config as C
     from m2flow.embodied.bc import demo_data
+    from m2flow.embodied.config import EmbodiedConfig
     from m2flow.embodied.envs import Trajectory
     from m2flow.embodied.workers.actor import EmbodiedActorWorker
 
@@ -149,7 +152,7 @@ def test_a_behaviour_cloning_term_beside_the_rl_loss_pulls_the_policy_to_the_dem
             return float(-actor.policy.evaluate(data["obs"], data["actions"])[0].mean())
 
     def trained(*overrides):
-        actor = EmbodiedActorWorker(C.load(C.EmbodiedConfig, "ppo_pickcube", ["actor.minibatch_size=16",
+        actor = EmbodiedActorWorker(C.load(EmbodiedConfig, "ppo_pickcube", ["actor.minibatch_size=16",
                                                                               *overrides]), obs_space, action_space)
         before = demo_nll(actor)
         rows = [actor.train(Box(), step, 1) for step in range(2)]

@@ -4,10 +4,12 @@ import pytest
 
 from m2flow import config as C
 from m2flow.embodied import flow as embodied
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.planner.plan import make_plan
 from m2flow.reasoning import flow as reasoning
+from m2flow.reasoning.config import ReasoningConfig
 
-FLOWS = {"reasoning": (C.ReasoningConfig, reasoning.COMPONENTS), "embodied": (C.EmbodiedConfig, embodied.COMPONENTS)}
+FLOWS = {"reasoning": (ReasoningConfig, reasoning.COMPONENTS), "embodied": (EmbodiedConfig, embodied.COMPONENTS)}
 
 
 @pytest.mark.parametrize("flow", sorted(FLOWS))
@@ -42,22 +44,22 @@ def test_every_preset_loads_and_builds_its_plan(preset):
     data = C.read_yaml(C.resolve_path(preset))
     cls, components = FLOWS[data.get("flow", "reasoning")]
     cfg = C.load(cls, data, [])
-    if cls is C.ReasoningConfig:
+    if cls is ReasoningConfig:
         components = reasoning.components(cfg)  # with the critic under algorithm.name=ppo
     if cfg.cluster.placement != "auto":
         make_plan(cfg.cluster.placement, 2, components, 64, 32)
-    if cls is C.ReasoningConfig:  # from random weights the reward stays 0: a warm start or a model of the user's
+    if cls is ReasoningConfig:  # from random weights the reward stays 0: a warm start or a model of the user's
         assert cfg.sft.steps > 0 or cfg.model.path, f"{preset}: neither sft.steps nor model.path"
 
 
 def test_a_mapping_given_as_an_override_replaces_the_presets_where_dotted_keys_merge():
     """`agent.tools={}` turns a preset's tools off (a mapping value replaces, whole); `agent.tools.py=python` adds one
     tool to the preset's."""
-    assert C.load(C.ReasoningConfig, "agent_calc").agent.tools == {"calc": "calc"}
-    off = C.load(C.ReasoningConfig, "agent_calc", ["agent.tools={}"])
+    assert C.load(ReasoningConfig, "agent_calc").agent.tools == {"calc": "calc"}
+    off = C.load(ReasoningConfig, "agent_calc", ["agent.tools={}"])
     assert off.agent.tools == {} and "tool" not in off.cluster.placement
-    assert C.load(C.ReasoningConfig, "agent_calc", ["agent.tools={py: python}"]).agent.tools == {"py": "python"}
-    assert C.load(C.ReasoningConfig, "agent_calc", ["agent.tools.py=python"]).agent.tools == {"calc": "calc",
+    assert C.load(ReasoningConfig, "agent_calc", ["agent.tools={py: python}"]).agent.tools == {"py": "python"}
+    assert C.load(ReasoningConfig, "agent_calc", ["agent.tools.py=python"]).agent.tools == {"calc": "calc",
                                                                                              "py": "python"}
 
 
@@ -104,7 +106,7 @@ def _outside(within, hint):
     return [f"[{v}]" if listed else str(v) for v in values]
 
 
-@pytest.mark.parametrize("cls", [C.ReasoningConfig, C.EmbodiedConfig])
+@pytest.mark.parametrize("cls", [ReasoningConfig, EmbodiedConfig])
 def test_every_numeric_field_declares_its_range_and_a_value_outside_it_is_refused_naming_the_field(cls):
     fields = list(_numeric_fields(cls))
     assert len(fields) > 50
@@ -122,10 +124,10 @@ def test_a_range_reads_as_a_bound_and_help_config_shows_it():
         ">= 0", "> 0", "<= 1", "in (0, 1]", "a finite number"]
     assert 0.5 in C.Interval("(0, 1]") and 1 in C.Interval("(0, 1]") and 0 not in C.Interval("(0, 1]")
     assert float("nan") not in C.Interval("(-inf, inf)") and 10**400 in C.Interval("[0, inf)")
-    rows = {name: text for name, _, text in C.describe(C.ReasoningConfig)}
+    rows = {name: text for name, _, text in C.describe(ReasoningConfig)}
     assert rows["rollout.top_p"].startswith("[in (0, 1]] nucleus sampling")
     assert rows["actor.lr"].startswith("[> 0] the AdamW learning rate")
     with pytest.raises(C.ConfigError, match=r"^policy.hidden must be >= 1 \(each of them\), got \[64, 0\]$"):
-        C.load(C.EmbodiedConfig, None, ["policy.hidden=[64, 0]"])
+        C.load(EmbodiedConfig, None, ["policy.hidden=[64, 0]"])
     with pytest.raises(C.ConfigError, match=r"^actor.lr must be > 0, got nan$"):
-        C.load(C.ReasoningConfig, None, ["actor.lr=nan"])
+        C.load(ReasoningConfig, None, ["actor.lr=nan"])

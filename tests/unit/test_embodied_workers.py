@@ -10,6 +10,7 @@ from gymnasium import spaces
 from torch.distributions import Categorical, Normal
 
 from m2flow import config as C
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.envs import Trajectory, collect_lockstep
 from m2flow.embodied.flow import evaluate_checkpoint
 from m2flow.embodied.workers.actor import EmbodiedActorWorker, advantages, load_policy
@@ -83,7 +84,7 @@ def make_cfg(**over):
     base = {"run": {"seed": 3}, "env": {"id": "CartPole-v1", "num_envs": 6, "max_episode_steps": 14,
                                         "norm_obs": True, "norm_reward": True},
             "rollout": {"steps": 24}, "actor": {"epochs": 2, "minibatch_size": 48}}
-    return C.load(C.EmbodiedConfig, C.merge(base, over))
+    return C.load(EmbodiedConfig, C.merge(base, over))
 
 
 class Now:

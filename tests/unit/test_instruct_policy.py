@@ -8,6 +8,7 @@ import torch
 from gymnasium import spaces
 
 from m2flow import config as C
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.envs import EnvGroup, make_env_fns, maniskill
 from m2flow.embodied.policies import build_policy
 
@@ -60,8 +61,8 @@ def test_the_policy_acts_on_the_instruction():
 
 def test_the_policy_and_the_observations_go_together():
     with pytest.raises(C.ConfigError, match="policy.kind=instruct and env.instruct=true go together"):
-        C.load(C.EmbodiedConfig, "ppo_pickcube", ["policy.kind=instruct"])
-    cfg = C.load(C.EmbodiedConfig, "ppo_pickcube", [f"env.id={MULTI}", "env.instruct=true", "policy.kind=instruct"])
+        C.load(EmbodiedConfig, "ppo_pickcube", ["policy.kind=instruct"])
+    cfg = C.load(EmbodiedConfig, "ppo_pickcube", [f"env.id={MULTI}", "env.instruct=true", "policy.kind=instruct"])
     assert cfg.env.id == MULTI
     with pytest.raises(C.ConfigError, match="would mix tasks"):
-        C.load(C.EmbodiedConfig, "ppo_maniskill3", ["algorithm.name=grpo", "env.seed_groups=2"])
+        C.load(EmbodiedConfig, "ppo_maniskill3", ["algorithm.name=grpo", "env.seed_groups=2"])

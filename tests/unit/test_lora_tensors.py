@@ -11,6 +11,7 @@ from peft import PeftModel
 from m2flow import config as C
 from m2flow.engines.hf import init_tiny_model, load_model
 from m2flow.engines.lora import AdapterReceiver, adapter_items, add_lora, merged_items, save_adapter
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.runtime.weights import WeightsRef, load_into, state_digest
 
 
@@ -100,4 +101,4 @@ def test_bad_lora_settings_get_clear_errors(base_dir):
                               ("model.lora.sync=full", "model.lora.sync must be adapters | merged, got 'full'"),
                               ("model.lora.target_modules=[]", "model.lora.target_modules must be a non-empty list")]:
         with pytest.raises(C.ConfigError, match=message):
-            C.load(C.ReasoningConfig, None, [override])
+            C.load(ReasoningConfig, None, [override])

@@ -7,11 +7,12 @@ import math
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from m2flow import config as C
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.run_dir import RunDir
 
 
 def test_each_step_reaches_metrics_jsonl_and_tensorboard_with_the_same_values(tmp_path):
-    run = RunDir(tmp_path / "r", C.load(C.EmbodiedConfig, "ppo_cartpole"))
+    run = RunDir(tmp_path / "r", C.load(EmbodiedConfig, "ppo_cartpole"))
     logged = {s: {"reward/mean": 0.25 * s, "time/iteration": 1.0 / s, "actor/updates": 20 + s,
                   "eval/return": float("nan"), "note": "text"} for s in (1, 2, 3)}
     for step, metrics in logged.items():

@@ -14,6 +14,7 @@ from gymnasium import spaces
 from m2flow import config as C
 from m2flow.algorithms import actor_loss, polyak_update, squashed_gaussian_logprob
 from m2flow.embodied.bc import demo_transitions
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.envs import Trajectory
 from m2flow.embodied.envs.experts import load_demos
 from m2flow.embodied.policies import Critics, SquashedGaussianActor
@@ -52,7 +53,7 @@ def test_sample_gives_the_squashed_gaussians_log_probability_and_gradients():
 
 
 def test_the_policy_workers_sampler_gives_each_env_the_same_action_in_any_stage_split():
-    cfg = C.load(C.EmbodiedConfig, {"algorithm": {"name": "sac"}, "policy": {"hidden": [16]}})
+    cfg = C.load(EmbodiedConfig, {"algorithm": {"name": "sac"}, "policy": {"hidden": [16]}})
     actor = make_policy(cfg, spaces.Box(-1, 1, (3,), np.float32), BOX)
     assert isinstance(actor, SquashedGaussianActor)
     obs = torch.randn(6, 3)
@@ -91,7 +92,7 @@ def test_critic_layernorm_bounds_q_whatever_the_inputs_scale():
         bound = head.weight.abs().sum() * 16 ** 0.5 + head.bias.abs()  # LayerNorm'd ReLU features: |f|_2 <= sqrt(16)
         assert q.abs().max() <= bound
     assert max(q.abs().max() for q in plain(obs, act)) > 1e4
-    cfg = C.load(C.EmbodiedConfig, "sac_pendulum", ["policy.hidden=[8]", "sac.critic_layernorm=true"])
+    cfg = C.load(EmbodiedConfig, "sac_pendulum", ["policy.hidden=[8]", "sac.critic_layernorm=true"])
     learner = SACLearnerWorker(cfg, spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-2, 2, (1,), np.float32))
     assert [type(m).__name__ for m in learner.target.qs[0]] == ["Sequential", "Linear"]
     assert isinstance(learner.target.qs[0][0][1], torch.nn.LayerNorm) and isinstance(learner.critic.qs[1][0][1],
@@ -122,13 +123,13 @@ def test_sac_needs_a_bounded_box():
 ])
 def test_bad_sac_settings_name_the_field(override, message):
     with pytest.raises(C.ConfigError, match=message):
-        C.load(C.EmbodiedConfig, "sac_pendulum", [override])
+        C.load(EmbodiedConfig, "sac_pendulum", [override])
 
 
 def test_the_temperature_and_entropy_settings_parse():
-    s = C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.ent_coef=auto_0.1", "sac.target_entropy=-3"]).sac
+    s = C.load(EmbodiedConfig, "sac_pendulum", ["sac.ent_coef=auto_0.1", "sac.target_entropy=-3"]).sac
     assert s.alpha_init() == (0.1, True) and s.target(6) == -3.0
-    s = C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.ent_coef=0.2"]).sac
+    s = C.load(EmbodiedConfig, "sac_pendulum", ["sac.ent_coef=0.2"]).sac
     assert s.alpha_init() == (0.2, False) and s.target(6) == -6.0
 
 
@@ -157,7 +158,7 @@ def test_demonstrations_become_transitions_that_end_terminated_with_the_sparse_r
 
 
 def test_rlpd_minibatches_draw_their_demo_fraction_from_the_demonstrations():
-    cfg = C.load(C.EmbodiedConfig, {"env": {"id": "PickCube-v1"}, "algorithm": {"name": "sac"},
+    cfg = C.load(EmbodiedConfig, {"env": {"id": "PickCube-v1"}, "algorithm": {"name": "sac"},
                                     "policy": {"hidden": [16]},
                                     "sac": {"buffer_size": 1000, "demos": FIXTURE, "demo_fraction": 0.25}})
     learner = SACLearnerWorker(cfg, spaces.Box(-np.inf, np.inf, (42,), np.float32),
@@ -171,13 +172,13 @@ def test_rlpd_minibatches_draw_their_demo_fraction_from_the_demonstrations():
     from_online = (batch["obs"] == 7.0).all(1)
     assert from_online.sum() == 48 and not from_online[:16].any()
     with pytest.raises(C.ConfigError, match="demo_fraction must be in"):
-        C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.demo_fraction=1"])
+        C.load(EmbodiedConfig, "sac_pendulum", ["sac.demo_fraction=1"])
 
 
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("mode", ["stop", "skip"])
 def test_a_non_finite_critic_loss_stops_or_is_dropped_before_anything_steps(mode, parallel):
-    cfg = C.load(C.EmbodiedConfig, "sac_pendulum", ["policy.hidden=[8]", "sac.buffer_size=100", "sac.batch_size=4",
+    cfg = C.load(EmbodiedConfig, "sac_pendulum", ["policy.hidden=[8]", "sac.buffer_size=100", "sac.batch_size=4",
                                                     "sac.learning_starts=8", f"actor.nonfinite={mode}",
                                                     f"sac.parallel_update={parallel}"])
     learner = SACLearnerWorker(cfg, spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-2, 2, (1,), np.float32))
@@ -198,7 +199,7 @@ def test_a_non_finite_critic_loss_stops_or_is_dropped_before_anything_steps(mode
 
 
 def _pendulum_learner(*overrides):
-    cfg = C.load(C.EmbodiedConfig, "sac_pendulum", ["policy.hidden=[16,16]", "sac.buffer_size=200", "sac.batch_size=32",
+    cfg = C.load(EmbodiedConfig, "sac_pendulum", ["policy.hidden=[16,16]", "sac.buffer_size=200", "sac.batch_size=32",
                                                     *overrides])
     learner = SACLearnerWorker(cfg, spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-2, 2, (1,), np.float32))
     g = torch.Generator().manual_seed(3)
@@ -315,7 +316,7 @@ def test_bc_coef_pulls_the_actor_to_the_demonstrated_actions(parallel):
     (in either update): with it the actor imitates the demonstrations within 60 gradient steps; without it, not."""
     errors = {}
     for coef in (0.0, 10.0):
-        cfg = C.load(C.EmbodiedConfig, {"env": {"id": "PickCube-v1"}, "algorithm": {"name": "sac"},
+        cfg = C.load(EmbodiedConfig, {"env": {"id": "PickCube-v1"}, "algorithm": {"name": "sac"},
                                         "policy": {"hidden": [32, 32]}, "actor": {"lr": 3e-3},
                                         "sac": {"buffer_size": 1000, "demos": FIXTURE, "batch_size": 64,
                                                 "bc_coef": coef, "parallel_update": parallel}})
@@ -343,7 +344,7 @@ def test_bc_coef_pulls_the_actor_to_the_demonstrated_actions(parallel):
 
 def _bc_learner(*overrides):
     """A PickCube learner with the demonstrations (RLPD's half-and-half minibatches) and 100 random online rows."""
-    cfg = C.load(C.EmbodiedConfig, {"env": {"id": "PickCube-v1"}, "algorithm": {"name": "sac"},
+    cfg = C.load(EmbodiedConfig, {"env": {"id": "PickCube-v1"}, "algorithm": {"name": "sac"},
                                     "policy": {"hidden": [32, 32], "activation": "relu"},
                                     "sac": {"buffer_size": 1000, "demos": FIXTURE, "batch_size": 64}}, list(overrides))
     learner = SACLearnerWorker(cfg, spaces.Box(-np.inf, np.inf, (42,), np.float32), spaces.Box(-1, 1, (4,), np.float32))
@@ -452,9 +453,9 @@ def test_an_error_in_the_actor_process_surfaces_from_the_update_with_its_traceba
 def test_the_actor_process_needs_the_parallel_manual_step():
     with pytest.raises(C.ConfigError, match=r"sac.actor_process .* needs sac.parallel_update=true .* "
                                             r"\(got parallel_update=False, grad=auto\)"):
-        C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.actor_process=true"])
+        C.load(EmbodiedConfig, "sac_pendulum", ["sac.actor_process=true"])
     with pytest.raises(C.ConfigError, match=r"got parallel_update=True, grad=auto; policy.activation is 'tanh'"):
-        C.load(C.EmbodiedConfig, "sac_pendulum", ["sac.actor_process=true", "sac.parallel_update=true",
+        C.load(EmbodiedConfig, "sac_pendulum", ["sac.actor_process=true", "sac.parallel_update=true",
                                                   "policy.activation=tanh"])
 
 
@@ -531,7 +532,7 @@ def test_the_learners_demonstrations_end_terminated_only_where_the_env_ends_at_s
     from the expert's last step, as from its own steps."""
     over = ["algorithm.name=sac", f"sac.demos={FIXTURE}", "sac.demo_episodes=3", "sac.buffer_size=100",
             "policy.hidden=[8]", *(["env.kwargs.ignore_terminations=true"] if runs_on else [])]
-    cfg = C.load(C.EmbodiedConfig, "ppo_pickcube", over)
+    cfg = C.load(EmbodiedConfig, "ppo_pickcube", over)
     learner = SACLearnerWorker(cfg, spaces.Box(-np.inf, np.inf, (42,), np.float32), spaces.Box(-1, 1, (4,), np.float32))
     ends = int(learner.demos.data["terminated"][:len(learner.demos)].sum())
     assert ends == (0 if runs_on else 3)

@@ -11,6 +11,7 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from torch import nn
 
 from m2flow import config as C
+from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.sac.learner import SACLearnerWorker
 
 STEPS, BATCH = 30, 64
@@ -19,7 +20,7 @@ STEPS, BATCH = 30, 64
 def _pair(*overrides):
     """An m2flow SAC learner and an SB3 SAC with the same settings on HalfCheetah-v5 (6 action dims), small networks,
     the learner holding SB3's initial weights, and a buffer of random transitions."""
-    cfg = C.load(C.EmbodiedConfig, "sac_halfcheetah", ["policy.hidden=[32,32]", "sac.buffer_size=1000",
+    cfg = C.load(EmbodiedConfig, "sac_halfcheetah", ["policy.hidden=[32,32]", "sac.buffer_size=1000",
                                                         "sac.learning_starts=100", f"sac.batch_size={BATCH}",
                                                         "sac.parallel_update=false", "sac.actor_process=false",
                                                         *overrides])  # SB3's order unless overridden

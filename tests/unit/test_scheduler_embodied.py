@@ -143,7 +143,7 @@ def test_sac_lag_1_overlaps_collection_with_the_update_on_its_own_device_and_kee
 
 def test_the_planner_plans_the_components_the_embodied_config_places():
     """The pure planner names the embodied flow's components itself (it imports no config); they are the config's."""
-    from m2flow import config as C
     from m2flow.embodied import plans as planner
+    from m2flow.embodied.config import EmbodiedClusterConfig
 
-    assert planner.COMPONENTS == C.EmbodiedClusterConfig.COMPONENTS
+    assert planner.COMPONENTS == EmbodiedClusterConfig.COMPONENTS

@@ -3,6 +3,7 @@
 import pytest
 
 from m2flow import config as C
+from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.warm_start import sft_pairs
 
 
@@ -12,7 +13,7 @@ def product(prompt: str) -> str:
 
 
 def tool_share(*overrides: str) -> tuple[float, list[tuple[str, str]]]:
-    cfg = C.load(C.ReasoningConfig, "agent_calc", ["data.train_size=400", *overrides])
+    cfg = C.load(ReasoningConfig, "agent_calc", ["data.train_size=400", *overrides])
     pairs = sft_pairs(cfg)
     return sum("<calc>" in ref for _, ref in pairs) / len(pairs), pairs
 
@@ -34,7 +35,7 @@ def test_tool_fraction_sets_the_share_of_references_that_call_the_calculator():
 
 def test_tool_fraction_outside_zero_one_is_refused():
     with pytest.raises(C.ConfigError, match=r"sft.tool_fraction must be in \[0, 1\], got 1.5"):
-        C.load(C.ReasoningConfig, "agent_calc", ["sft.tool_fraction=1.5"])
+        C.load(ReasoningConfig, "agent_calc", ["sft.tool_fraction=1.5"])
 
 
 @pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
@@ -47,7 +48,7 @@ def test_sft_target_accuracy_from_the_config_ends_the_warm_start_where_greedy_an
     from m2flow.engines.train import exact_match
     from m2flow.reasoning.warm_start import sft_model, validation_pairs
 
-    cfg = C.load(C.ReasoningConfig, "demo", ["model.tiny_hidden=32", "model.tiny_layers=1", "data.digits=1",
+    cfg = C.load(ReasoningConfig, "demo", ["model.tiny_hidden=32", "model.tiny_layers=1", "data.digits=1",
                                              "data.train_size=70", "data.eval_size=10", "sft.steps=400",
                                              "sft.target_accuracy=0.5", "sft.val_size=12", "sft.val_every=5",
                                              "data.answer_width=0", "run.progress=false"])
@@ -62,4 +63,4 @@ def test_sft_target_accuracy_from_the_config_ends_the_warm_start_where_greedy_an
     assert capsys.readouterr().out.strip() == (f"[m2flow sft] stopped after {len(losses)} of 400 steps: greedy exact "
                                                f"match {reached:.1%} on 12 held-back training problems (reached "
                                                f"sft.target_accuracy=0.5)")
-    assert validation_pairs(C.load(C.ReasoningConfig, "demo", ["sft.target_accuracy=0"])) == []  # no target, none
+    assert validation_pairs(C.load(ReasoningConfig, "demo", ["sft.target_accuracy=0"])) == []  # no target, none
