@@ -131,7 +131,7 @@ def _http2_reply(conn) -> bool | bytes:
 def _placement(cfg) -> None:
     from m2flow.runtime.placement import PlacementError, parse_placement
 
-    spec = cfg.cluster.placement
+    spec = cfg.placement()
     sizes, mine = cfg.cluster.cpu_devices, len(os.sched_getaffinity(0))
     if isinstance(sizes, list) and not cfg.cluster.address and sum(sizes) > mine and not _local_gpus():
         raise C.UserError(f"cluster.cpu_devices: {sizes} asks for {sum(sizes)} cores, but this machine gives this "

@@ -287,6 +287,10 @@ class EmbodiedConfig:
     sac: SACConfig = section(SACConfig, "off-policy SAC (algorithm.name=sac): replay buffer, update schedule")
     eval: EmbodiedEvalConfig = section(EmbodiedEvalConfig, "evaluation after training")
 
+    def placement(self):
+        """The placement a plan is made from: `cluster.placement` as given (the three components are always named)."""
+        return self.cluster.placement
+
     @property
     def steps_per_rollout(self) -> int:
         """Policy steps per env in one iteration's rollout: sac.train_freq off-policy, rollout.steps on-policy."""

@@ -58,7 +58,7 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
     """The flow, in its claimed run directory."""
     cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
     stages = cfg.env.pipeline_stages
-    plan = plan or make_plan(cfg.cluster.placement, cluster.num_devices, COMPONENTS, cfg.env.num_envs,
+    plan = plan or make_plan(cfg.placement(), cluster.num_devices, COMPONENTS, cfg.env.num_envs,
                              -(-cfg.env.num_envs // stages))
     run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)
     # lockstep on shared devices: no overlap to gain from separate processes, only the hand-overs' Ray hops to save

@@ -292,10 +292,6 @@ class ReasoningConfig:
                 alg.advantage == "gae" and alg.name != "ppo"):
             raise ConfigError(f"algorithm.advantage must be grpo | dr_grpo | rloo | reinforce_pp (gae with "
                               f"name=ppo) for the reasoning flow, got '{alg.advantage}'")
-        if alg.name == "ppo" and self.cluster.placement != "auto":
-            self.cluster.placement = with_critic(self.cluster.placement)
-        if self.agent.tools and self.cluster.placement != "auto":  # beside the reward, unless the placement names it
-            self.cluster.placement = place_beside(self.cluster.placement, "tool", "reward")
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be >= 2 for grpo (advantages are relative within a group)")
         if self.algorithm.overlong_buffer > self.rollout.max_new_tokens:
@@ -319,6 +315,17 @@ class ReasoningConfig:
             raise ConfigError("algorithm.old_logprobs=recompute needs on-policy rollouts (max_staleness=0): with "
                               f"max_staleness={alg.max_staleness} the actor computes the proximal logprobs itself "
                               "(decoupled PPO); use auto, or rollout for a plain PPO ratio against the behaviour policy")
+
+    def placement(self):
+        """The placement a plan is made from (validation leaves `cluster.placement` as given): with PPO the critic
+        beside the actor and with `agent.tools` the tool component beside the reward, where it names neither;
+        `auto` as is."""
+        spec = self.cluster.placement
+        if spec == "auto":
+            return spec
+        if self.algorithm.name == "ppo":
+            spec = with_critic(spec)
+        return place_beside(spec, "tool", "reward") if self.agent.tools else spec
 
     def recompute_old_logprobs(self) -> bool:
         """Whether the inference stage runs a forward pass for the old-policy logprobs. Without it the ratio uses the

@@ -59,7 +59,7 @@ def _train(cfg: ReasoningConfig, cluster: Cluster | None, plan: ExecutionPlan | 
     """The flow, in its claimed run directory."""
     cluster = cluster or Cluster(cfg.cluster.address, cfg.cluster.cpu_devices, reuse_processes=cfg.cluster.reuse_processes)
     names = components(cfg)
-    plan = plan or make_plan(cfg.cluster.placement, cluster.num_devices, names,
+    plan = plan or make_plan(cfg.placement(), cluster.num_devices, names,
                              cfg.rollout.prompts_per_step * cfg.rollout.n, cfg.actor.micro_batch)
     refill_reward_ranks(cfg, len(plan["reward"].rank_devices))  # an auto plan's too
     run = RunDir(cfg.run.path, cfg, resume=cfg.run.resume)

@@ -93,9 +93,10 @@ def test_ppo_options_are_checked():
     with pytest.raises(C.ConfigError, match=r"gae with name=ppo"):
         C.load(ReasoningConfig, None, ["algorithm.advantage=gae"])
     cfg = C.load(ReasoningConfig, None, [*PPO, "cluster.placement=rollout: 0; reward,inference,actor: 1"])
-    assert cfg.cluster.placement == "rollout: 0; reward,inference,actor,critic: 1"
+    assert cfg.placement() == "rollout: 0; reward,inference,actor,critic: 1"
+    assert cfg.cluster.placement == "rollout: 0; reward,inference,actor: 1"  # validation changes nothing
     named = C.load(ReasoningConfig, None, [*PPO, "cluster.placement=rollout,critic: 0; reward,inference,actor: 1"])
-    assert named.cluster.placement == "rollout,critic: 0; reward,inference,actor: 1"
+    assert named.placement() == named.cluster.placement == "rollout,critic: 0; reward,inference,actor: 1"
 
 
 @pytest.mark.timeout(900)

@@ -47,9 +47,18 @@ def test_every_preset_loads_and_builds_its_plan(preset):
     if cls is ReasoningConfig:
         components = reasoning.components(cfg)  # with the critic under algorithm.name=ppo
     if cfg.cluster.placement != "auto":
-        make_plan(cfg.cluster.placement, 2, components, 64, 32)
+        make_plan(cfg.placement(), 2, components, 64, 32)
     if cls is ReasoningConfig:  # from random weights the reward stays 0: a warm start or a model of the user's
         assert cfg.sft.steps > 0 or cfg.model.path, f"{preset}: neither sft.steps nor model.path"
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in C.CONFIG_DIR.glob("*.yaml")))
+def test_validation_leaves_the_placement_as_written(preset):
+    """Validation checks and never rewrites: the critic and the tool component are placed where the plan is made
+    (`cfg.placement()`), not in `cluster.placement` (a PPO preset, a tool-calling one and the defaults alike)."""
+    data = C.read_yaml(C.resolve_path(preset))
+    cfg = C.load(FLOWS[data.get("flow", "reasoning")][0], data, [])
+    assert cfg.cluster.placement == data.get("cluster", {}).get("placement", type(cfg.cluster)().placement)
 
 
 def test_a_mapping_given_as_an_override_replaces_the_presets_where_dotted_keys_merge():
@@ -57,7 +66,7 @@ def test_a_mapping_given_as_an_override_replaces_the_presets_where_dotted_keys_m
     tool to the preset's."""
     assert C.load(ReasoningConfig, "agent_calc").agent.tools == {"calc": "calc"}
     off = C.load(ReasoningConfig, "agent_calc", ["agent.tools={}"])
-    assert off.agent.tools == {} and "tool" not in off.cluster.placement
+    assert off.agent.tools == {} and "tool" not in off.placement()
     assert C.load(ReasoningConfig, "agent_calc", ["agent.tools={py: python}"]).agent.tools == {"py": "python"}
     assert C.load(ReasoningConfig, "agent_calc", ["agent.tools.py=python"]).agent.tools == {"calc": "calc",
                                                                                              "py": "python"}
