@@ -125,7 +125,7 @@ def evaluate(path: str | Path, overrides: list[str] | None = None, k: int = 8, l
     `data`. Embodied: `episodes` deterministic episodes: return mean/std, length, success rate where reported."""
     p = Path(path)
     if (p / "policy.safetensors").exists() or any(p.glob("checkpoints/*/policy.safetensors")):
-        from m2flow.embodied.flow import evaluate_checkpoint
+        from m2flow.embodied.evaluation import evaluate_checkpoint
 
         return evaluate_checkpoint(p, episodes=episodes, video_dir=video_dir)
     from m2flow.reasoning.evaluation import describe_eval_data, eval_config, evaluate_model

@@ -185,7 +185,7 @@ def behaviour_clone(args) -> int:
     from m2flow import api
     from m2flow import config as C
     from m2flow.embodied.config import EmbodiedConfig
-    from m2flow.embodied.flow import behaviour_clone
+    from m2flow.embodied.cloning import behaviour_clone
 
     cfg = api.load_config(args.model, args.overrides)
     if not isinstance(cfg, EmbodiedConfig):

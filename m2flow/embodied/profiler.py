@@ -129,8 +129,8 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                 for b in (b for b in batches if b % d == 0):
                     env.resize(b).wait()
                     for i in range(repeats + 1):  # the first rollout of each size warms up
-                        outs = env.call_per_rank("rollout", [(policy_of[r], trajectories, horizon, step, ranks)
-                                                             for r in range(d)]).wait()
+                        outs = env.per_rank.rollout([(policy_of[r], trajectories, horizon, step, ranks)
+                                                     for r in range(d)]).wait()
                         step += 1
                         if b == num_envs:  # the update on this whole iteration's trajectories
                             t = time.perf_counter()

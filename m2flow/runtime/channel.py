@@ -376,20 +376,25 @@ _ChannelActor = _actor_class()
 
 
 class Channel:
-    """A named FIFO with keyed sub-queues. Small and picklable: pass it to Ray actors as an argument."""
+    """A named FIFO with keyed sub-queues. Small and picklable: pass it to Ray actors as an argument. It knows how
+    many ranks put into it (`producers`) and take from it (`consumers`), so that a stream over it (runtime/stream.py)
+    ends after the right number of END markers without the stage calls carrying those counts."""
 
-    def __init__(self, name: str, actor, maxsize: int):
+    def __init__(self, name: str, actor, maxsize: int, producers: int = 1, consumers: int = 1):
         """Use Channel.create or Channel.connect."""
         self.name, self.maxsize, self._actor = name, maxsize, actor
+        self.producers, self.consumers = producers, consumers
         self._key = actor._actor_id.hex()
         with _LOCALS_LOCK:
             self._loc = _LOCALS.setdefault(self._key, _Local())
 
     @classmethod
-    def create(cls, name: str, maxsize: int = 0) -> Channel:
-        """A new channel; maxsize (0 = unbounded) bounds each keyed sub-queue. It lives as long as this process."""
-        if not name or maxsize < 0:
-            raise ValueError(f"channel {name!r}: needs a name and maxsize >= 0 (got maxsize={maxsize})")
+    def create(cls, name: str, maxsize: int = 0, producers: int = 1, consumers: int = 1) -> Channel:
+        """A new channel; maxsize (0 = unbounded) bounds each keyed sub-queue; `producers` and `consumers` are the
+        ranks that put into it and take from it. It lives as long as this process."""
+        if not name or maxsize < 0 or producers < 1 or consumers < 1:
+            raise ValueError(f"channel {name!r}: needs a name, maxsize >= 0 and at least one producer and consumer "
+                             f"(got maxsize={maxsize}, producers={producers}, consumers={consumers})")
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         try:
             actor = _ChannelActor.options(
@@ -397,22 +402,23 @@ class Channel:
             ).remote(name, maxsize)
         except ValueError as e:
             raise ValueError(f"channel {name!r} already exists: use Channel.connect({name!r})") from e
-        return cls(name, actor, maxsize)
+        return cls(name, actor, maxsize, producers, consumers)
 
     @classmethod
-    def connect(cls, name: str) -> Channel:
-        """The existing channel called name, from any process of the job."""
+    def connect(cls, name: str, producers: int = 1, consumers: int = 1) -> Channel:
+        """The existing channel called name, from any process of the job (with the counts given here)."""
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError as e:
             raise ValueError(f"no channel named {name!r} (create it with Channel.create)") from e
-        return cls(name, actor, ray.get(actor.get_maxsize.remote()))
+        return cls(name, actor, ray.get(actor.get_maxsize.remote()), producers, consumers)
 
     def __reduce__(self):
-        return Channel, (self.name, self._actor, self.maxsize)
+        return Channel, (self.name, self._actor, self.maxsize, self.producers, self.consumers)
 
     def __repr__(self) -> str:
-        return f"Channel({self.name!r}, maxsize={self.maxsize})"
+        return (f"Channel({self.name!r}, maxsize={self.maxsize}, producers={self.producers}, "
+                f"consumers={self.consumers})")
 
     # ----- put
 

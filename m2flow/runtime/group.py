@@ -546,6 +546,25 @@ def wait_all(handles: Iterable[Handle], timeout: float | None = None, drain: flo
     return [h._results() for h in handles]
 
 
+
+class _PerRank:
+    """`group.per_rank`: a method of the group's worker, called with one tuple of positional args per rank."""
+
+    def __init__(self, group: "Group"):
+        self._group = group
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        getattr(self._group, name)  # a remote method of the worker, else AttributeError naming it
+
+        def call(args_per_rank: Sequence[tuple], **kwargs) -> Handle:
+            return self._group.call_per_rank(name, args_per_rank, **kwargs)
+
+        call.__name__ = name
+        return call
+
+
 def gather_spans(groups: Sequence["Group"], clear: bool = False) -> list[dict]:
     """The tracer spans of every selected rank of every group, fetched concurrently; `clear` forgets them there."""
     handles = [Handle(g, "spans", g.ranks, [g._actors[r].spans.remote(g._uid, clear) for r in g.ranks]) for g in groups]
@@ -596,7 +615,7 @@ def launch_cohosted(cluster: Cluster, specs: Sequence[tuple], run_dir: str | Non
 
 class Group:
     """All ranks of one component. `group.method(*args)` calls it on every rank and returns a Handle;
-    `group.on(ranks)` selects ranks; `group.call_per_rank(method, [args_rank0, args_rank1, ...])`."""
+    `group.on(ranks)` selects ranks; `group.per_rank.method([args_rank0, args_rank1, ...])` gives each its own."""
 
     def __init__(self, worker_cls: type, placement: ComponentPlacement, actors: list, where: dict[int, dict],
                  uid: str | None = None, cluster: Cluster | None = None):
@@ -718,15 +737,22 @@ class Group:
         view._ranks = ranks
         return view
 
-    def call_per_rank(self, method: str, args_per_rank: Sequence[tuple]) -> Handle:
-        """Call `method` with different positional args per rank: `args_per_rank[i]` goes to the i-th rank."""
+    @property
+    def per_rank(self) -> "_PerRank":
+        """Calls with other positional args per rank, by method: `group.per_rank.add([(1,), (2,)], **kwargs)` is
+        `call_per_rank("add", [(1,), (2,)], **kwargs)`."""
+        return _PerRank(self)
+
+    def call_per_rank(self, method: str, args_per_rank: Sequence[tuple], **kwargs) -> Handle:
+        """Call `method` with different positional args per rank: `args_per_rank[i]` goes to the i-th rank, with
+        the same `kwargs` to every rank."""
         if len(args_per_rank) != len(self._ranks):
             raise ValueError(f"{self.component}.call_per_rank({method!r}): got {len(args_per_rank)} argument tuples "
                              f"for {len(self._ranks)} rank(s)")
         if any(not isinstance(a, (tuple, list)) for a in args_per_rank):
             raise TypeError(f"{self.component}.call_per_rank({method!r}): each rank's args must be a tuple")
         getattr(self, method)  # validates the name
-        return self._submit(method, [(tuple(a), {}) for a in args_per_rank])
+        return self._submit(method, [(tuple(a), kwargs) for a in args_per_rank])
 
     def _submit(self, name: str, calls: list[tuple]) -> Handle:
         parallel = getattr(getattr(self.worker_cls, name), "_m2flow_concurrent", False)

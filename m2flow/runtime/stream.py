@@ -14,18 +14,30 @@ from m2flow.types import Batch
 END = "__m2flow_end_of_step__"
 
 
-def drain(channel, producers: int = 1, timeout: float | None = None, key=None, alone: bool = False) -> Iterator:
-    """Yield items from `channel` (sub-queue `key`) until `producers` END markers have arrived (see `drain_batches`)."""
+def producers_of(channel, producers: int | None = None) -> int:
+    """`producers` where given, else the ranks the channel says put into it (1 for a channel that does not say)."""
+    return getattr(channel, "producers", 1) if producers is None else producers
+
+
+def consumers_of(channel, consumers: int | None = None) -> int:
+    """`consumers` where given, else the ranks the channel says take from it (1 for a channel that does not say)."""
+    return getattr(channel, "consumers", 1) if consumers is None else consumers
+
+
+def drain(channel, producers: int | None = None, timeout: float | None = None, key=None,
+          alone: bool = False) -> Iterator:
+    """Yield items from `channel` (sub-queue `key`) until `producers` END markers have arrived (default: the
+    channel's producers; see `drain_batches`)."""
     for items in drain_batches(channel, producers, timeout, key, alone):
         yield from items
 
 
-def drain_batches(channel, producers: int = 1, timeout: float | None = None, key=None,
+def drain_batches(channel, producers: int | None = None, timeout: float | None = None, key=None,
                   alone: bool = False) -> Iterator[list]:
     """Yield what each round trip to `channel` brought (a non-empty list) until `producers` END markers have arrived.
     `alone`: this consumer has the sub-queue to itself (one consumer rank, or its own key), so each round trip takes
     everything queued; consumers sharing a queue take one item at a time, so that none takes another's END."""
-    ends = 0
+    ends, producers = 0, producers_of(channel, producers)
     while ends < producers:
         got = channel.get_all(key=key, timeout=timeout) if alone else [channel.get(key=key, timeout=timeout)]
         items = [x for x in got if not (isinstance(x, str) and x == END)]
@@ -34,9 +46,10 @@ def drain_batches(channel, producers: int = 1, timeout: float | None = None, key
             yield items
 
 
-def finish(channel, consumers: int = 1, keyed: bool = False) -> None:
-    """End this producer's stream: one END per consumer rank (into each rank's sub-queue when `keyed`)."""
-    for r in range(consumers):
+def finish(channel, consumers: int | None = None, keyed: bool = False) -> None:
+    """End this producer's stream: one END per consumer rank (default: the channel's consumers; into each rank's
+    sub-queue when `keyed`)."""
+    for r in range(consumers_of(channel, consumers)):
         channel.put(END, key=r if keyed else None)
 
 

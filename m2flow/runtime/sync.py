@@ -71,3 +71,48 @@ class PublishesWeights:
             receivers = [g.on([self.rank]) for g in receivers]
         digests = [d for h in wait_all([g.load_weights(weights) for g in receivers]) for d in h]
         return weights.version, weights.digest, digests, time.perf_counter() - start, weights.nbytes
+
+
+class WeightSync:
+    """The weight sync a plan runs, as one object the driver calls at the same two points whatever the mechanism:
+    `start(n)` right after handing out the n-th step's update (n counts this run's syncs, 0 the one before the first
+    step), `finish(n, results)` once the update is in -> its metrics (`time/weight_sync`, `sync/checked`,
+    `sync/bytes` where known). `checks(n)` says whether sync n is verified bit for bit.
+    - plain: `finish` publishes from the actor (rank 0 with `per_rank`) and loads into every receiver;
+    - co-hosted (`local`): every receiver lives in the actor's processes, so `start` queues the sync behind the
+      update there (no round trip between) and `finish` waits for it;
+    - returned (`returned`): the actor hands its published weights back with its result (`results[0]["weights"]`)
+      and `finish` loads them into the receivers."""
+
+    def __init__(self, actor, receivers: list, checks, local: bool = False, per_rank: bool = False,
+                 returned: bool = False):
+        self.actor, self.receivers, self.checks = actor, receivers, checks
+        self.local, self.per_rank, self.returned = local, per_rank, returned
+        self._queued: Handle | None = None
+
+    def first(self) -> int:
+        """The sync before the first step (sync 0): every receiver takes the actor's weights. -> bytes published."""
+        publisher = self.actor if self.local or not self.per_rank else self.actor.on([0])
+        return sync_weights(publisher, self.receivers, self.checks(0), self.local, self.per_rank)
+
+    def start(self, n: int) -> None:
+        if self.local:
+            self._queued = start_sync(self.actor, self.receivers, self.checks(n), self.per_rank)
+
+    def finish(self, n: int, results: list | None = None) -> dict:
+        check, began = self.checks(n), time.perf_counter()
+        if self._queued is not None:  # the seconds it took in its process (the slowest, per rank)
+            pushed, self._queued = _pushed(self._queued, check), None
+            return {"time/weight_sync": max(p[3] for p in pushed), "sync/checked": int(check),
+                    "sync/bytes": pushed[0][4]}
+        if self.returned:
+            sent = load_published(results[0].pop("weights"), self.receivers, check)
+        else:
+            sent = sync_weights(self.actor.on([0]) if self.per_rank else self.actor, self.receivers, check)
+        return {"time/weight_sync": time.perf_counter() - began, "sync/checked": int(check), "sync/bytes": sent}
+
+    def after(self, n: int) -> dict:
+        """`start` and `finish` at once, for an update that is already in; `time/weight_sync` is the wall time."""
+        began = time.perf_counter()
+        self.start(n)
+        return {**self.finish(n), "time/weight_sync": time.perf_counter() - began}

@@ -11,7 +11,8 @@ import pytest
 
 from m2flow import config as C
 from m2flow.embodied.config import EmbodiedConfig
-from m2flow.embodied.flow import behaviour_clone, train
+from m2flow.embodied.cloning import behaviour_clone
+from m2flow.embodied.flow import train
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "demos"
 DEMOS = FIXTURES / "PickCube-v1"  # 50 expert episodes (PushCube-v1 and StackCube-v1: 10 each)

@@ -7,7 +7,8 @@ import json
 from m2flow import config as C
 from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.envs import experts
-from m2flow.embodied.flow import behaviour_clone, train
+from m2flow.embodied.cloning import behaviour_clone
+from m2flow.embodied.flow import train
 
 
 def run(cluster, tmp_path, name, *overrides):

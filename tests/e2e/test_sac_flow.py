@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from m2flow import config as C
 from m2flow.cli import main
 from m2flow.embodied.config import EmbodiedConfig
-from m2flow.embodied.flow import evaluate_checkpoint, train
+from m2flow.embodied.evaluation import evaluate_checkpoint
+from m2flow.embodied.flow import train
 from m2flow.runtime import WorkerError
 
 

@@ -264,6 +264,29 @@ def test_create_and_connect_errors(shared):
         shared.put_many([1, 2], weights=[1])
 
 
+def test_a_stream_ends_after_the_ends_of_the_producers_the_channel_names(procs):
+    """A channel made with its producer and consumer counts carries them wherever it goes: two worker-side
+    producers `finish` (one END per consumer the channel names) and a drain with no counts given stops after both
+    producers' ENDs, with every item."""
+    from m2flow.runtime.stream import drain, finish
+
+    ch = Channel.create(f"counts-{uuid.uuid4().hex}", producers=2, consumers=1)
+    try:
+        def produce(c, i):
+            c.put_many([i, i + 10])
+            finish(c)  # the channel's consumers: 1
+            return (c.producers, c.consumers)
+
+        assert ray.get([procs[0].run.remote(produce, ch, 1), procs[1].run.remote(produce, ch, 2)],
+                       timeout=60) == [(2, 1), (2, 1)]
+        assert sorted(drain(ch, timeout=20)) == [1, 2, 11, 12]
+        assert repr(ch).endswith("producers=2, consumers=1)")
+        with pytest.raises(ValueError, match="at least one producer and consumer"):
+            Channel.create(f"none-{uuid.uuid4().hex}", producers=0)
+    finally:
+        ch.destroy()
+
+
 # ------------------------------------------------------------------------------------ transports
 
 

@@ -132,6 +132,11 @@ def test_on_ranks_and_per_rank_args(calc):
     assert calc.on([1, 0]).whoami().wait() == [1, 0]
     assert calc.call_per_rank("add", [(10,), (20,)]).wait() == [110, 121]
     assert calc.on([1]).call_per_rank("add", [(5,)]).wait() == [106]
+    assert calc.per_rank.add([(10,), (20,)]).wait() == [110, 121]  # the same calls, the method by attribute
+    assert calc.on([1]).per_rank.add([(5,)]).wait() == [106]
+    assert calc.per_rank.fail_if([(False,), (False,)], message="to all").wait() == ["to all", "to all"]
+    with pytest.raises(AttributeError, match="no remote method 'nope'"):
+        calc.per_rank.nope
     with pytest.raises(ValueError, match="2 argument tuples for 1 rank"):
         calc.on(0).call_per_rank("add", [(1,), (2,)])
     with pytest.raises(ValueError, match="ranks must be in 0..1"):

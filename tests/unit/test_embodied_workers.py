@@ -12,7 +12,7 @@ from torch.distributions import Categorical, Normal
 from m2flow import config as C
 from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.envs import Trajectory, collect_lockstep
-from m2flow.embodied.flow import evaluate_checkpoint
+from m2flow.embodied.evaluation import evaluate_checkpoint
 from m2flow.embodied.workers.actor import EmbodiedActorWorker, advantages, load_policy
 from m2flow.embodied.workers.env import EnvWorker, make_env_group
 from m2flow.embodied.workers.policy import PolicyWorker, make_policy, sample_actions

@@ -8,7 +8,7 @@ import m2flow
 ROOT = Path(m2flow.__file__).parent
 
 # Each layer -> the m2flow layers it may import (a layer is a subpackage, or a module at the top of m2flow). The core
-# (types, errors, config machinery, runtime, algorithms, engines, planner, run_dir) knows no recipe; each recipe's
+# (types, errors, config machinery, runtime, algorithms, engines, planner, run_dir, run) knows no recipe; each recipe's
 # wing sits on the core; the front (api, cli, demo, preflight, auto, profiling) may import anything.
 TYPES = {"types", "errors"}
 CORE_BELOW = {
@@ -20,6 +20,7 @@ CORE_BELOW = {
     "engines": TYPES,  # generation and training engines: plain arguments in
     "planner": TYPES | {"runtime"},  # reads profiles and placements (runtime.placement), never executes
     "run_dir": TYPES | {"config", "runtime"},
+    "run": TYPES | {"config", "runtime", "run_dir"},  # the run object every driver hands its bookkeeping to
 }
 CORE = set(CORE_BELOW)
 WINGS = {"reasoning", "embodied"}

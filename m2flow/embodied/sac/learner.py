@@ -40,6 +40,7 @@ from m2flow.engines.guards import nonfinite_update
 from m2flow.engines.optim import FusedAdamStep
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
+from m2flow.runtime.stream import producers_of
 from m2flow.runtime.sync import PublishesWeights
 from m2flow.runtime.weights import publish
 
@@ -153,16 +154,17 @@ class SACLearnerWorker(PublishesWeights, Worker):
                 "critic_grads": [(grads(hidden), grads([head])[0]) for hidden, head in critics],
                 "bounds": (pol.LOG_STD_MIN, pol.LOG_STD_MAX)}
 
-    def train(self, inp, step: int, producers: int, publish: bool | None = None) -> dict:
-        """One iteration: take the `producers` env workers' trajectories on `inp` (key: this rank) into the buffer
-        and take the iteration's gradient steps, in the order of sac.max_policy_lag. `publish` (True: with their
-        digest, False: without): publish the weights then held and return them under "weights", so that the flow
-        needs no call of this process to sync them (one it may have queued behind its next `train` already)."""
+    def train(self, inp, step: int, producers: int | None = None, publish: bool | None = None) -> dict:
+        """One iteration: take the `producers` env workers' trajectories on `inp` (key: this rank; default: the
+        channel's producers) into the buffer and take the iteration's gradient steps, in the order of
+        sac.max_policy_lag. `publish` (True: with their digest, False: without): publish the weights then held and
+        return them under "weights", so that the flow needs no call of this process to sync them (one it may have
+        queued behind its next `train` already)."""
         s = self.cfg.sac
         out, start, updating = {}, time.perf_counter(), 0.0
         if s.max_policy_lag:  # update on what the buffer holds while the env workers collect (a whole iteration's)
             out, updating = self._timed_updates(step, self._gradient_steps(s.train_freq * self.cfg.env.num_envs))
-        added = self._take(inp, producers)
+        added = self._take(inp, producers_of(inp, producers))
         if not s.max_policy_lag:
             out, updating = self._timed_updates(step, self._gradient_steps(added))
         self.version += 1

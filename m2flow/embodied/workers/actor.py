@@ -23,6 +23,7 @@ from m2flow.embodied.workers.policy import make_policy
 from m2flow.engines.guards import check_weight_growth, first_nonfinite, nonfinite_update, sum_of_squares
 from m2flow.runtime import Worker
 from m2flow.runtime.files import load_plain
+from m2flow.runtime.stream import producers_of
 from m2flow.runtime.sync import PublishesWeights
 from m2flow.runtime.weights import publish
 
@@ -208,9 +209,11 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
         self.demos = DemoTerm(demo_data(a.bc_demos, cfg.env.id, cfg.env.instruct, cfg.env.chunk), a.minibatch_size,
                               cfg.run.seed + 777 + self.rank) if a.bc_coef > 0 else None
 
-    def train(self, inp, step: int, producers: int) -> dict:
-        """One update from the `producers` env workers' trajectories on `inp` (key: this rank)."""
-        items = sorted((inp.get(key=self.rank) for _ in range(producers)), key=lambda x: x["env_rank"])
+    def train(self, inp, step: int, producers: int | None = None) -> dict:
+        """One update from the `producers` env workers' trajectories on `inp` (key: this rank; default: the channel's
+        producers)."""
+        items = sorted((inp.get(key=self.rank) for _ in range(producers_of(inp, producers))),
+                       key=lambda x: x["env_rank"])
         traj = Trajectory.cat_envs([x["traj"] for x in items])
         scores = torch.cat([x["scores"] for x in items]) if items[0]["scores"] is not None else None
         with self.device_phase("train", step):

@@ -24,6 +24,7 @@ from m2flow.algorithms import first_episode_mask
 from m2flow.embodied.envs import EnvGroup, Trajectory, make_env_fns
 from m2flow.runtime import Worker, WorkerError, concurrent, wait_all
 from m2flow.runtime.files import load_sealed, save_sealed
+from m2flow.runtime.stream import consumers_of
 
 
 def make_env_group(cfg, num_envs: int, seed: int, training: bool = True, render_mode: str | None = None,
@@ -84,9 +85,11 @@ class EnvWorker(Worker):
         e = self.cfg_env
         return self.cfg.run.seed + step * (self.total // e.seed_groups) + self.lo // e.seed_groups
 
-    def rollout(self, policy, out, steps: int, step: int, actor_ranks: int, trace: bool = False) -> dict:
+    def rollout(self, policy, out, steps: int, step: int, actor_ranks: int | None = None,
+                trace: bool = False) -> dict:
         """`steps` policy steps of every env, asking `policy` (a PolicyWorker group of one rank) for each stage's
-        actions; puts {env_rank, traj, scores} into `out` once per actor rank (key = actor rank).
+        actions; puts {env_rank, traj, scores} into `out` once per actor rank (key = actor rank; `actor_ranks`
+        defaults to the channel's consumers).
 
         Stage s's next request is sent before stage s+1 is stepped and answered only when stage s comes round again,
         so with two stages the policy infers for one while the simulator steps the other (one stage: lockstep)."""
@@ -150,7 +153,7 @@ class EnvWorker(Worker):
             e["env_index"] += self.lo
         scores = self._scores(rows, episodes) if grpo else None
         seconds = time.perf_counter() - start
-        for a in range(actor_ranks):
+        for a in range(consumers_of(out, actor_ranks)):
             out.put({"env_rank": self.rank, "traj": traj, "scores": scores}, key=a)
         return {"episodes": episodes, "env_steps": env_steps, "seconds": seconds, **timing}
 

@@ -93,10 +93,11 @@ class ActorWorker(PublishesWeights, Worker):
             self.register_offloadable("optimizer", self.optimizer)
 
     # -- training ------------------------------------------------------------------------------
-    def train(self, inp, step: int, producers: int = 1) -> dict:
+    def train(self, inp, step: int, producers: int | None = None) -> dict:
         """One training step on every micro-batch from `inp` (until END). The gradient is the sample-weighted
         mean over the whole global batch, on one rank or summed over data-parallel ranks. Samples generated more
-        than `algorithm.max_staleness` weight versions ago are dropped, never trained on (`actor/stale_dropped`)."""
+        than `algorithm.max_staleness` weight versions ago are dropped, never trained on (`actor/stale_dropped`).
+        `producers` defaults to the channel's."""
         a = self.cfg.actor
         if step < self.cfg.critic.warmup_steps and self.cfg.algorithm.name == "ppo":  # only the critic learns yet
             samples = sum(len(b) for b in drain(inp, producers, key=self.key, alone=True))

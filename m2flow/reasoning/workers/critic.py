@@ -19,7 +19,7 @@ from m2flow.engines.guards import first_nonfinite, nonfinite_update
 from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.engines.precision import training_precision
 from m2flow.runtime import Worker
-from m2flow.runtime.stream import drain, finish, route
+from m2flow.runtime.stream import consumers_of, drain, finish, route
 from m2flow.types import Batch
 
 
@@ -69,11 +69,12 @@ class CriticWorker(Worker):
             self.register_offloadable("model", self.model)
             self.register_offloadable("optimizer", self.optimizer)
 
-    def values(self, inp, out, step: int, producers: int = 1, consumers: int = 1) -> dict:
+    def values(self, inp, out, step: int, producers: int | None = None, consumers: int | None = None) -> dict:
         """Take this rank's share of the step from `inp` (until END), value its tokens, attach token-level `advantages`
         (GAE, whitened over the whole step's response tokens) and `returns`, send it to `out` (one share per consumer
-        rank when several), END; then train on it. Returns the critic's metrics."""
-        alg = self.cfg.algorithm
+        rank when several), END; then train on it. Returns the critic's metrics. The counts of producer and consumer
+        ranks default to the channels'."""
+        alg, consumers = self.cfg.algorithm, consumers_of(out, consumers)
         shares = list(drain(inp, producers, key=self.key, alone=True))
         if not shares:  # every group was dropped (dynamic sampling): on every rank alike
             finish(out, consumers, keyed=consumers > 1)

@@ -12,7 +12,7 @@ from m2flow.engines.hf import load_model, load_tokenizer
 from m2flow.engines.train import collate, token_logprobs
 from m2flow.reasoning.workers.policy_copy import adapter_receiver, load_policy
 from m2flow.runtime import Worker
-from m2flow.runtime.stream import drain, finish, route
+from m2flow.runtime.stream import consumers_of, drain, finish, route
 from m2flow.runtime.weights import WeightsRef, loaded_digest
 from m2flow.types import Batch
 
@@ -71,10 +71,13 @@ class InferenceWorker(Worker):
         if self.ref is not None:
             self.register_offloadable("ref", self.ref)
 
-    def logprobs(self, inp, out, step: int, micro_batch: int, producers: int = 1, consumers: int = 1) -> dict:
+    def logprobs(self, inp, out, step: int, micro_batch: int, producers: int | None = None,
+                 consumers: int | None = None) -> dict:
         """Collect groups from `inp` into micro-batches of >= `micro_batch` samples, add `old_logprobs`
         (and `ref_logprobs`) to each, put them into `out`; END after the last. With several consumer ranks (a
-        data-parallel actor) each micro-batch is split into one share per rank, into the rank's sub-queue."""
+        data-parallel actor) each micro-batch is split into one share per rank, into the rank's sub-queue. The counts of
+        producer and consumer ranks default to the channels'."""
+        consumers = consumers_of(out, consumers)
         pending: list[dict] = []
         sent = 0
         for group in drain(inp, producers, alone=self.world_size == 1):

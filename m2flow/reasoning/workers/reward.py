@@ -27,15 +27,16 @@ class RewardWorker(Worker):
         self.advantage_fn = get_advantage_fn(fn) if fn else None
         self._step = None  # (step, responses' values, counts): a step's figures, over its sampling rounds
 
-    def score(self, inp, out, step: int, producers: int = 1, consumers: int = 1, target: int | None = None,
-              draw: int = 0, last: bool = True) -> dict:
+    def score(self, inp, out, step: int, producers: int | None = None, consumers: int | None = None,
+              target: int | None = None, draw: int = 0, last: bool = True) -> dict:
         """Score groups from `inp` until END; forward kept groups (with `rewards`, `advantages`) to `out`, then one
         END per consumer rank (the consumers share the queue). `rewards` are the shaped scores the advantages are made
         of: the task reward plus DAPO's overlong penalty when `algorithm.overlong_buffer` is set.
 
         DAPO's refill (`target`: the groups the step trains on): round `draw` of the step forwards kept groups until
         the step holds `target` (later ones are surplus, not sent) and ends the stream only once it does, or when it
-        is the `last` round. Its metrics count every round of the step so far."""
+        is the `last` round. Its metrics count every round of the step so far. The counts of producer and consumer
+        ranks default to the channels'."""
         alg = self.cfg.algorithm
         if draw == 0 or self._step is None or self._step[0] != step:  # a new step's counts
             self._step = (step, {"task": [], "shaped": [], "penalty": [], "length": [], "advantage": []},

@@ -63,13 +63,13 @@ class RolloutWorker(Worker):
         self.register_offloadable("model", self.model)
         self.agent = agent_hook(cfg.agent, self.tokenizer)  # multi-turn: the engine feeds back tool answers
 
-    def generate(self, prompts: list[dict], out, step: int, consumers: int = 1, granularity: int = 1,
+    def generate(self, prompts: list[dict], out, step: int, consumers: int | None = None, granularity: int = 1,
                  draw: int = 0, tools=None) -> dict:
         """Sample `rollout.n` responses for each prompt {index, ids, answer}; put finished prompt groups into `out`
         once `granularity` samples are ready (one round trip per put; 1: each group at once), then one END per
         consumer rank. `draw`: the step's sampling round (dynamic sampling's refills are rounds 1, 2, ...: each its own
         seed). `tools`: the tool component (agent.tools), whose rank r % its size answers this rank's calls (else
-        this process answers them). Returns generation metrics."""
+        this process answers them). Returns generation metrics. `consumers` defaults to the channel's."""
         r = self.cfg.rollout
         seed = self.cfg.run.seed * 1_000_003 + step * 101 + self.rank + draw * 7_919
         params = SamplingParams(
