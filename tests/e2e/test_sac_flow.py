@@ -256,7 +256,7 @@ def _nice_by_pid() -> dict[int, tuple[str, list[int]]]:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             title = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode(errors="replace").strip()
-            if "sac_actor_process" in open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"):
+            if "sac.actor_process" in open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"):
                 stat = open(f"/proc/{pid}/stat").read()  # sac.actor_process's process, by its parent
                 title = f"actor_process of {stat[stat.rindex(')') + 2:].split()[1]}"
             if title.startswith(("m2flow:", "ray::", "actor_process")):

@@ -164,3 +164,15 @@ def test_no_import_cycles():
     assert import_cycles(graph) == []
     assert "m2flow.embodied.envs.maniskill" in graph["m2flow.embodied.policies"]  # a lazy relative import counts
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the checker sees one
+
+
+def test_each_wings_driver_reads_like_the_algorithm_box():
+    """A wing's flow.py stays a driver (<= 150 lines) and its step loop (`for step in ...`) short (<= 40 lines):
+    what is not the algorithm lives in the run object, the weight sync, the channels and the wing's steps.py."""
+    for wing in sorted(WINGS):
+        path = ROOT / wing / "flow.py"
+        tree = ast.parse(path.read_text())
+        loops = [n for n in ast.walk(tree) if isinstance(n, ast.For) and getattr(n.target, "id", None) == "step"]
+        assert len(path.read_text().splitlines()) <= 150, f"{wing}/flow.py is over 150 lines"
+        assert len(loops) == 1 and loops[0].end_lineno - loops[0].lineno + 1 <= 40, \
+            f"{wing}/flow.py: one step loop of at most 40 lines, got {[n.end_lineno - n.lineno + 1 for n in loops]}"
