@@ -87,10 +87,9 @@ class ClusterConfig:
                                               "slices of the cores), or each device's cores, e.g. [1, 3] (a "
                                               "1-core device 0 and a 3-core device 1); default: one per core",
                                               within="[1, inf)")
-    placement: Any = opt("rollout,reward,inference,actor: all:0",
-                         "component -> devices[:ranks]: 'rollout,reward,inference,actor: all:0' (collocated: one "
-                         "process over every device, the stages take turns), 'rollout: 0; reward,inference,actor: 1' "
-                         "(pipelined), 'auto' (profile, then the fastest predicted plan)")
+    placement: Any = opt("auto", "component -> devices[:ranks], 'NAMES: DEVICES[:RANKS]; ...' (each flow's section "
+                                 "gives its components and default), or 'auto' (profile, then the fastest predicted "
+                                 "plan)")
     reuse_processes: bool = opt(True, "keep the worker processes of a finished run (or profile) for the next one on "
                                       "this cluster: no new Python, no re-import of torch/transformers")
     offload: bool | str = opt(False, "context switching of components that share a device: true (each moves its "
@@ -103,7 +102,7 @@ class ClusterConfig:
                                                    "other process of the run on the driver's node (the other workers, "
                                                    "the driver, the Ray daemons m2flow started) runs at nice 19, e.g. "
                                                    "'actor' or [env, actor]; None: all alike")
-    COMPONENTS: ClassVar[tuple[str, ...]] = ("rollout", "reward", "inference", "actor", "critic", "tool")
+    COMPONENTS: ClassVar[tuple[str, ...]] = ()  # the flow's components: each flow's cluster section names them
 
     def foreground_components(self) -> list[str]:
         """`foreground` as a list of component names ([] when off)."""

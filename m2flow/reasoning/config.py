@@ -5,12 +5,21 @@ The machinery that loads and checks them is `m2flow/config.py`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from m2flow.config import (CHECK_SYNC_HELP, ClusterConfig, RunConfig, checks_sync, opt, section, validate_check_sync,
                            validate_nonfinite)
 from m2flow.errors import ConfigError, UserError
 from m2flow.runtime.placement import place_beside
+
+@dataclass
+class ReasoningClusterConfig(ClusterConfig):
+    placement: Any = opt("rollout,reward,inference,actor: all:0",
+                         "component -> devices[:ranks]: 'rollout,reward,inference,actor: all:0' (collocated: one "
+                         "process over every device, the stages take turns), 'rollout: 0; reward,inference,actor: 1' "
+                         "(pipelined), 'auto' (profile, then the fastest predicted plan)")
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("rollout", "reward", "inference", "actor", "critic", "tool")
+
 
 @dataclass
 class LoRAConfig:
@@ -270,7 +279,7 @@ def reasoning_components(cfg) -> list[str]:
 class ReasoningConfig:
     FLOW: ClassVar[str] = "reasoning"
     run: RunConfig = section(RunConfig, "run name, seed, steps, checkpoints")
-    cluster: ClusterConfig = section(ClusterConfig, "Ray cluster and placement")
+    cluster: ReasoningClusterConfig = section(ReasoningClusterConfig, "Ray cluster and placement")
     model: ModelConfig = section(ModelConfig, "the policy model")
     data: DataConfig = section(DataConfig, "prompts and answers")
     rollout: RolloutConfig = section(RolloutConfig, "generation")
