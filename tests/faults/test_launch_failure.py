@@ -8,6 +8,7 @@ import ray
 from m2flow import config as C
 from m2flow.embodied import flow as embodied
 from m2flow.embodied.config import EmbodiedConfig
+from m2flow.embodied.workers.env import EnvWorker
 from m2flow.runtime import Group
 
 
@@ -27,7 +28,7 @@ def test_a_failure_during_launch_ends_the_processes_started_early(cluster, tmp_p
 
     monkeypatch.setattr(Group, "start", classmethod(start))
     if fails == "env":
-        monkeypatch.setattr(embodied.EnvWorker, "launch", classmethod(env_launch))
+        monkeypatch.setattr(EnvWorker, "launch", classmethod(env_launch))
     cfg = C.load(EmbodiedConfig, None, [
         f"run.dir={tmp_path}", "run.name=launch", "run.progress=false", "run.trace=false", "run.steps=1",
         "env.num_envs=2", "rollout.steps=16", "eval.episodes=0", "cluster.placement=env: 0; rollout,actor: 1"])
