@@ -184,7 +184,7 @@ CRITICS = {"twin": [], "layernorm": ["sac.critic_layernorm=true"],  # --update-o
 
 def update_only(threads: int, rounds: int = 5, n: int = 64, critics: tuple[str, ...] = ("twin",)) -> str:
     """Per gradient step on the same kind of data (20k random transitions in each library's buffer): m2flow's
-    `SACLearnerWorker._update` (each of `critics`' variants, with sac.grad=auto and =autograd; twin also with
+    `SACLearnerWorker.update` (each of `critics`' variants, with sac.grad=auto and =autograd; twin also with
     sac.parallel_update, its actor's side in a thread and in a process) against SB3's `SAC.train`, interleaved,
     `rounds` rounds of `n` steps, medians."""
     import gymnasium as gym

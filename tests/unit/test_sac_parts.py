@@ -18,8 +18,8 @@ from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.envs import Trajectory
 from m2flow.embodied.envs.experts import load_demos
 from m2flow.embodied.policies import Critics, SquashedGaussianActor
-from m2flow.embodied.sac import learner as sac_learner
-from m2flow.embodied.sac.learner import SACLearnerWorker
+from m2flow.embodied.sac import parallel as sac_parallel
+from m2flow.embodied.sac.learner import SACLearnerWorker, SerialSteps
 from m2flow.embodied.workers.policy import make_policy, sample_actions, uniform_actions
 
 BOX = spaces.Box(np.array([-2.0, 0.0], np.float32), np.array([2.0, 1.0], np.float32))
@@ -218,9 +218,9 @@ def test_parallel_update_steps_the_actor_through_the_critics_before_their_update
     """sac.parallel_update: the critics, targets and temperature step exactly as in the sequential step; the actor's
     gradient reads the critics as they were before this step (a hand-written reference), not after (SB3)."""
     par, seq, ref = (_pendulum_learner(*o) for o in (["sac.parallel_update=true"], [], []))
-    assert par._pool is not None and seq._pool is None
-    par._update()
-    seq._update()
+    assert isinstance(par.steps, sac_parallel.ThreadedManual) and isinstance(seq.steps, SerialSteps)  # grad=auto: manual
+    par.steps.run(1)
+    seq.steps.run(1)
     for net in ("critic", "target"):
         a, b = _weights(getattr(par, net)), _weights(getattr(seq, net))
         assert all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in a), net
@@ -254,11 +254,11 @@ def test_parallel_steps_equal_their_sequential_reference_over_several_steps():
         ref.actor_opt.zero_grad()
         pi, logp = ref.policy.sample(b["obs"], eps[0])
         torch.autograd.backward(actor_loss(logp, ref.critic(b["obs"], pi), alpha), inputs=list(ref.policy.parameters()))
-        c_loss, _ = ref._critic_loss(b, eps[1], alpha)
+        c_loss, _ = ref.critic_objective(b, eps[1], alpha)
         ref.critic_opt.zero_grad()
         c_loss.backward()
         ref.critic_opt.step()
-        ref._temperature_step(logp)
+        ref.temperature_step(logp)
         ref.actor_opt.step()
         polyak_update(list(ref.target.parameters()), list(ref.critic.parameters()), ref.cfg.sac.tau)
     for net in ("policy", "critic", "target"):
@@ -269,23 +269,23 @@ def test_parallel_steps_equal_their_sequential_reference_over_several_steps():
     assert torch.equal(par.buffer.gen.get_state(), ref.buffer.gen.get_state())
 
 
-@pytest.mark.parametrize("grad, thread_fn", [("autograd", "_actor_gradient"), ("manual", "_manual_actor_steps")])
+@pytest.mark.parametrize("grad, thread_fn", [("autograd", "actor_gradient"), ("manual", "actor_steps")])
 def test_parallel_update_is_deterministic_and_uses_half_the_threads_in_each_of_its_two(grad, thread_fn):
     runs = []
     for _ in range(2):
         learner = _pendulum_learner("sac.parallel_update=true", f"sac.grad={grad}")
-        threads, seen, gradient = torch.get_num_threads(), [], getattr(learner, thread_fn)
+        threads, seen, gradient = torch.get_num_threads(), [], getattr(learner.steps, thread_fn)
 
         def watched(*args):
             out = gradient(*args)
             seen.append((threading.get_ident(), torch.get_num_threads()))
             return out
 
-        setattr(learner, thread_fn, watched)
+        setattr(learner.steps, thread_fn, watched)
         out = learner._updates(0, 20)
         assert torch.get_num_threads() == threads  # restored after the updates
-        assert learner._threads == max(1, threads // 2)
-        assert {s for s in seen} == {(seen[0][0], learner._threads)} and seen[0][0] != threading.get_ident()
+        assert learner.steps.threads == max(1, threads // 2)
+        assert {s for s in seen} == {(seen[0][0], learner.steps.threads)} and seen[0][0] != threading.get_ident()
         runs.append((out, _weights(learner.policy), _weights(learner.critic)))
     assert runs[0][0] == runs[1][0] and runs[0][0]["sac/updates"] == 20
     for i in (1, 2):
@@ -296,17 +296,17 @@ def test_an_error_in_the_actor_thread_surfaces_from_the_update_and_leaves_the_po
     """sac.grad=manual's parallel step: the critics' thread waits on the actor's thread for the next actions; when
     that thread fails first, its error surfaces from the update (no wait left hanging) and the next update runs."""
     learner = _pendulum_learner("sac.parallel_update=true", "sac.grad=manual")
-    sample = sac_learner.squashed_sample
+    sample = sac_parallel.squashed_sample
 
     def broken(*args):
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("the actor's forward broke")
         return sample(*args)
 
-    monkeypatch.setattr(sac_learner, "squashed_sample", broken)
+    monkeypatch.setattr(sac_parallel, "squashed_sample", broken)
     with pytest.raises(RuntimeError, match="the actor's forward broke"):
         learner._updates(0, 1)
-    monkeypatch.setattr(sac_learner, "squashed_sample", sample)
+    monkeypatch.setattr(sac_parallel, "squashed_sample", sample)
     assert learner._updates(0, 2)["sac/updates"] == 2
 
 
@@ -366,7 +366,7 @@ def test_manual_gradients_train_rlpds_critics_and_the_bc_term_as_autograd_does(c
              "bc": ["sac.bc_coef=2.0", "sac.critic_layernorm=true"]}[case] + [f"sac.parallel_update={parallel}"]
     make = _pendulum_learner if case == "rlpd_critics" else _bc_learner
     manual, auto = make(*extra, "sac.grad=manual"), make(*extra, "sac.grad=autograd")
-    assert manual._manual is not None and auto._manual is None
+    assert manual.manual is not None and auto.manual is None
     outs = [learner._updates(0, 10) for learner in (manual, auto)]
     assert outs[0].keys() == outs[1].keys() and outs[0]["sac/updates"] == 10
     assert ("sac/bc_loss" in outs[0]) == (case == "bc")
@@ -406,22 +406,22 @@ def test_the_actor_process_takes_the_threaded_steps_bit_for_bit(case, tmp_path):
     thread, proc = make(*extra), make(*extra, "sac.actor_process=true")
     try:
         steps, proc.env_steps = proc.env_steps, 0  # the warm-up: no gradient step, the process started
-        assert proc._updates(0, 7) == {"sac/updates": 0} and proc._actor_proc.proc.poll() is None
+        assert proc._updates(0, 7) == {"sac/updates": 0} and proc.steps.process.proc.poll() is None
         proc.env_steps = steps
         for _ in range(2):
             assert proc._updates(0, 7) == thread._updates(0, 7)
         _same_learners(thread, proc)
-        child = proc._actor_proc.proc
+        child = proc.steps.process.proc
         assert child.poll() is None
         for learner, name in ((thread, "t"), (proc, "p")):
             (tmp_path / name).mkdir()
             learner.save_checkpoint(str(tmp_path / name))
             learner.load_checkpoint(str(tmp_path / name))
-        assert proc._actor_proc is None and child.wait(10) is not None  # ended with the state it shared
+        assert proc.steps.process is None and child.wait(10) is not None  # ended with the state it shared
         assert proc._updates(0, 5) == thread._updates(0, 5)
         _same_learners(thread, proc)
     finally:
-        proc._close_actor_process()
+        proc.steps.reset()
 
 
 @pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
@@ -439,15 +439,15 @@ def test_an_error_in_the_actor_process_surfaces_from_the_update_with_its_traceba
             m.syspath_prepend(str(tmp_path))
             with pytest.raises(RuntimeError, match=r"(?s)actor's process.*Traceback.*the actor forward broke"):
                 learner._updates(0, 3)
-        assert learner._actor_proc is None
+        assert learner.steps.process is None
         assert learner._updates(0, 3)["sac/updates"] == 3
-        learner._actor_proc.proc.kill()
-        learner._actor_proc.proc.wait(10)
+        learner.steps.process.proc.kill()
+        learner.steps.process.proc.wait(10)
         with pytest.raises(RuntimeError, match=r"actor's process .* ended during the update:\nexit code -9"):
             learner._updates(0, 3)
         assert learner._updates(0, 3)["sac/updates"] == 3
     finally:
-        learner._close_actor_process()
+        learner.steps.reset()
 
 
 def test_the_actor_process_needs_the_parallel_manual_step():
@@ -506,7 +506,7 @@ def test_an_ensembles_step_takes_the_target_over_a_fresh_random_pair_and_scores_
         eps = torch.randn((2, 32, 1), generator=learner.gen)
         alpha = learner.log_alpha.detach().exp()
         state = learner.gen.get_state()
-        c_loss, _ = learner._critic_loss(b, eps[1], alpha)
+        c_loss, _ = learner.critic_objective(b, eps[1], alpha)
         ref = torch.Generator()
         ref.set_state(state)
         with torch.no_grad():
@@ -520,7 +520,7 @@ def test_an_ensembles_step_takes_the_target_over_a_fresh_random_pair_and_scores_
         pairs.append(tuple(sorted(pair)))
     assert len(set(pairs)) > 1
     pi, logp = learner.policy.sample(b["obs"], eps[0])
-    loss, _ = learner._actor_objective(b, pi, logp, alpha)
+    loss, _ = learner.actor_objective(b, pi, logp, alpha)
     qs = learner.critic(b["obs"], pi)
     assert loss.item() == pytest.approx((alpha * logp - qs.mean(0)).mean().item(), rel=1e-5)
     assert loss.item() != pytest.approx((alpha * logp - qs.min(0).values).mean().item(), rel=1e-3)

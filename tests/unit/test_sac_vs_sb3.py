@@ -74,7 +74,7 @@ def _steps(learner, sb3, monkeypatch) -> list[tuple[dict, dict]]:
         gen = torch.Generator().set_state(learner.gen.get_state())  # the noise the learner's step draws next
         out = learner._updates(0, 1)
         assert out["sac/updates"] == 1
-        eps = torch.randn((2, BATCH, *learner.policy.mu.bias.shape), generator=gen)  # as `_update` draws it
+        eps = torch.randn((2, BATCH, *learner.policy.mu.bias.shape), generator=gen)  # as `update` draws it
         steps.append((out, _sb3_step(sb3, taken[-1], eps, monkeypatch)))
     assert learner.updates == STEPS and sb3._n_updates == STEPS
     return steps
@@ -92,7 +92,7 @@ def test_a_gradient_step_is_sb3s(grad, monkeypatch):
     """30 steps in SB3's order, by hand-written gradients or autograd: every weight within 5e-6 of SB3's (measured:
     7e-7), the temperature and the losses SB3 logs within float rounding."""
     learner, sb3 = _pair(f"sac.grad={grad}")
-    assert (learner._manual is not None) == (grad == "manual")
+    assert (learner.manual is not None) == (grad == "manual")
     for out, logged in _steps(learner, sb3, monkeypatch):
         assert out["sac/critic_loss"] == pytest.approx(logged["train/critic_loss"], rel=1e-4)
         assert out["sac/actor_loss"] == pytest.approx(logged["train/actor_loss"], rel=1e-4, abs=1e-5)

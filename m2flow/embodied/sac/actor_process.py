@@ -5,8 +5,8 @@ Why: each side of the step is ~130 small torch calls a gradient step, and every 
 back. Run in two threads, each side took 30% longer than alone (A B A B, 3 each, on 2 cores: the actor's side 5.2-5.4
 against 4.0-4.5 ms a step, the critics' 4.6-4.8 against 3.5-4.0 ms); in two processes each ran as fast as alone.
 
-The learner (`SACLearnerWorker._process_parallel_updates`) keeps everything that owns state: the replay buffers and
-every generator (so it draws each step's minibatch and noise, in the one-thread step's order), the critics, targets,
+The learner (its side: `parallel.ActorProcessSteps`) keeps everything that owns state: the replay buffers and every
+generator (so it draws each step's minibatch and noise, in the one-thread step's order), the critics, targets,
 temperature and their optimizers. This process holds no state of its own: the actor's weights and Adam state and the
 critics' weights are the learner's tensors, moved to shared memory, and per step it gets the minibatch and the
 temperature through a ring of shared slots. The hand-offs are those of the threaded step:
@@ -249,7 +249,7 @@ def child(parent: int, cmd_fd: int, res_fd: int, *sem_fds: int) -> None:
 
 def _steps(n: int, spec: dict, actor_grads, slots: dict, sems: dict, wait: Callable[[str], None],
            step: Callable[[], None]) -> list[list[float]]:
-    """n steps of the actor's side (the thread's `SACLearnerWorker._manual_actor_steps`, the minibatch drawn by the
+    """n steps of the actor's side (the thread's `parallel.ThreadedManual.actor_steps`, the minibatch drawn by the
     learner) -> each step's [actor's loss, BC term]."""
     m, out = spec["manual"], []
     for k in range(n):
