@@ -117,7 +117,7 @@ def auto_plan_embodied(cfg, cluster: Cluster, run_dir: str | Path) -> tuple[Auto
     base = make_plan(best.spec, cluster.num_devices, list(EMBODIED), num_envs, best.micro_batch)
     plan = AutoPlan(base.placement, base.micro_batch, base.channel_maxsize, base.offload, best.seconds,
                     {label: round(s, 6) for label, s in best.prediction.parts})
-    return plan, best.env_stages
+    return plan, best.loop_stages
 
 
 def choose_plan(cfg, cluster: Cluster, run_dir: str | Path):
@@ -156,7 +156,7 @@ def _write_search(run_dir: Path, path: Path, result: SearchResult, work: str, ru
 
 
 def _row(c: Candidate) -> dict:
-    return {"placement_spec": c.spec, "mode": c.mode, "micro_batch": c.micro_batch, "pipeline_stages": c.env_stages,
+    return {"placement_spec": c.spec, "mode": c.mode, "micro_batch": c.micro_batch, "pipeline_stages": c.loop_stages,
             "predicted_step_seconds": round(c.seconds, 6), "bottleneck": c.prediction.bottleneck}
 
 

@@ -18,7 +18,7 @@ def runnable(c: Candidate, num_envs: int) -> bool:
     envs, split into equal stages; no policy worker without an env worker (env worker r asks policy r % R)."""
     env, rollout = c.layout.devices("env"), c.layout.devices("rollout")
     per_worker = num_envs // env
-    return (not c.offload and num_envs % env == 0 and per_worker % c.env_stages == 0 and env % rollout == 0)
+    return (not c.offload and num_envs % env == 0 and per_worker % c.loop_stages == 0 and env % rollout == 0)
 
 
 class OneLearnerCandidate(Candidate):

@@ -144,7 +144,7 @@ class CostModel:
 class Layout:
     """Who runs where. `groups` are contiguous runs of the flow's stages, laid out left to right on disjoint
     device ranges of `sizes` devices (one group: collocated); `shared` components run on every device
-    (hybrid: e.g. the actor trains on all devices after env and rollout were pipelined on disjoint ones)."""
+    (hybrid: e.g. the last stage trains on all devices after the first two were pipelined on disjoint ones)."""
 
     groups: tuple[tuple[str, ...], ...]
     sizes: tuple[int, ...]
@@ -207,7 +207,7 @@ class Layout:
 
 
 def phases(profile: Profile, batch: int | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(head, tail): the head streams (pipelines over micro-batches) or is the env<->rollout loop; the tail
+    """(head, tail): the head streams (pipelines over micro-batches) or is the loop (its first two stages alternating); the tail
     starts at the first stage that needs the whole batch (streams=false, or one that merges what is streamed to it
     into passes of `batch` samples or more: it waits for the whole batch too) and runs once on the whole batch."""
     stages, batch = profile.stages, batch or profile.batch
@@ -231,7 +231,7 @@ class _Terms:
     head_work: list[list[tuple[str, float, float]]]  # per head group: (component, compute s, switch s) per micro-batch
     link: float  # transfer of one micro-batch between consecutive head groups (a delay: transfers overlap)
     waves: int  # micro-batches per step
-    loop: tuple[float, float, float, int] | None  # split env<->rollout loop: (env s, rollout s, transfer s, stages)
+    loop: tuple[float, float, float, int] | None  # a split loop: (first s, second s, transfer s, stages)
     fixed: list[tuple[str, float]]  # once-per-step work of head components, after the head
     boundary: dict[int | None, float]  # once-per-step switches of head components, per group (groups overlap)
     tail: list[tuple[str, float, float, float]]  # (component, transfer in, compute + fixed, switch), one after another
@@ -242,9 +242,9 @@ class _Terms:
     scale: float = 1.0  # the profile's cohosted_scale where it applies (one group), already in the terms above
 
 
-def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, env_stages: int, offload: bool) -> _Terms:
+def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, loop_stages: int, offload: bool) -> _Terms:
     p, head, tail, fit = model.profile, model.head, model.tail, model.fits
-    _check(p, layout, head, tail, batch, micro_batch, env_stages)
+    _check(p, layout, head, tail, batch, micro_batch, loop_stages)
 
     def others_on_devices(c: str, turn) -> bool:
         g = layout.group_of(c)
@@ -262,11 +262,11 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, env_s
     boundary: dict[int | None, float] = {}
     head_work: list[list[tuple[str, float, float]]] = []
     loop = None
-    if p.loop and pipelined:  # env and rollout on different devices: env_stages sub-batches alternate between them
-        sub = batch // env_stages
-        env, pol = p.loop
-        loop = (model.seconds(env, sub, layout.devices(env)), model.seconds(pol, sub, layout.devices(pol)),
-                p.transfer.seconds(sub) + p.loop_latency.split, env_stages)
+    if p.loop and pipelined:  # the loop's two stages on different devices: loop_stages sub-batches alternate
+        sub = batch // loop_stages
+        first, second = p.loop
+        loop = (model.seconds(first, sub, layout.devices(first)), model.seconds(second, sub, layout.devices(second)),
+                p.transfer.seconds(sub) + p.loop_latency.split, loop_stages)
         waves, link = 1, 0.0
     else:
         waves = batch // micro_batch if pipelined else 1
@@ -278,12 +278,12 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, env_s
         for c in members:
             if loop:
                 compute = 0.0
-            elif p.loop:  # env and rollout on the same devices: the S stages take turns, so they add up
-                scale, latency = p.loop_latency.on_shared_devices(env_stages)  # one stage: in one process
-                compute = env_stages * model.seconds(c, batch // env_stages, layout.devices(c)) * scale
+            elif p.loop:  # the loop's two stages on the same devices: the S stages take turns, so they add up
+                scale, latency = p.loop_latency.on_shared_devices(loop_stages)  # one stage: in one process
+                compute = loop_stages * model.seconds(c, batch // loop_stages, layout.devices(c)) * scale
                 if c == p.loop[1]:  # and every hand-over's round trip too
-                    compute += env_stages * latency
-            elif c == head[0]:  # the source (rollout) runs the whole batch in one call; its outputs stream out
+                    compute += loop_stages * latency
+            elif c == head[0]:  # the source runs the whole batch in one call; its outputs stream out
                 compute = model.seconds(c, batch, layout.devices(c)) / waves
             else:  # a component that merges micro-batches into passes of `merged` samples: its share of one pass
                 merged = min(batch, max(size, fit[c].info.merge_samples))
@@ -314,11 +314,11 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, env_s
             sync = p.transfer.latency_seconds + w.bytes / 1e9 * p.transfer.seconds_per_gb
 
     terms = _Terms(hgroups, head_work, link, waves, loop, fixed, boundary, tail_items, sync, sync_group, scale=cohosted)
-    _memory(model, layout, terms, batch, micro_batch if pipelined else batch, env_stages, offload)
+    _memory(model, layout, terms, batch, micro_batch if pipelined else batch, loop_stages, offload)
     return terms
 
 
-def _check(p: Profile, layout: Layout, head, tail, batch: int, micro_batch: int, env_stages: int) -> None:
+def _check(p: Profile, layout: Layout, head, tail, batch: int, micro_batch: int, loop_stages: int) -> None:
     placed = [c for g in layout.groups for c in g] + list(layout.shared)
     if sorted(placed) != sorted(p.stages):
         raise ValueError(f"layout places {placed}, but the flow's stages are {list(p.stages)}")
@@ -326,15 +326,15 @@ def _check(p: Profile, layout: Layout, head, tail, batch: int, micro_batch: int,
         raise ValueError(f"layout needs one positive device count per group, got {layout.sizes}")
     if any(c in head for c in layout.shared):
         raise ValueError(f"only tail stages {list(tail)} can be shared over all devices, not {list(layout.shared)}")
-    if batch % micro_batch or batch % env_stages:
-        raise ValueError(f"micro_batch {micro_batch} and env_stages {env_stages} must divide the batch {batch}")
-    if env_stages > 1 and not p.loop:
-        raise ValueError("env_stages > 1 needs an env<->rollout loop (an embodied profile)")
+    if batch % micro_batch or batch % loop_stages:
+        raise ValueError(f"micro_batch {micro_batch} and loop_stages {loop_stages} must divide the batch {batch}")
+    if loop_stages > 1 and not p.loop:
+        raise ValueError("loop_stages > 1 needs a loop (a profile whose first two stages alternate)")
 
 
-def _memory(model: CostModel, layout: Layout, t: _Terms, batch: int, size: int, env_stages: int, offload: bool) -> None:
+def _memory(model: CostModel, layout: Layout, t: _Terms, batch: int, size: int, loop_stages: int, offload: bool) -> None:
     """Peak bytes per device in each group: resident states + the largest activation of a turn. Without offload
-    every resident state stays; with offload only the running turn's (the env<->rollout loop is one turn)."""
+    every resident state stays; with offload only the running turn's (the loop is one turn)."""
     p, fit, head = model.profile, model.fits, model.head
     cap = p.machine.memory_bytes
     for g in range(len(layout.groups)):
@@ -343,7 +343,7 @@ def _memory(model: CostModel, layout: Layout, t: _Terms, batch: int, size: int, 
         for c in members:
             d = layout.devices(c)
             if c in head and p.loop:
-                n = batch // env_stages
+                n = batch // loop_stages
             elif c in head and c != head[0]:  # the source works on the whole batch at once
                 n = size
             else:
@@ -385,30 +385,30 @@ class Prediction:
 
 
 def predict(model: CostModel, layout: Layout, batch: int | None = None, micro_batch: int | None = None,
-            env_stages: int = 1, offload: bool = False, staleness: int = 0) -> Prediction:
+            loop_stages: int = 1, offload: bool = False, staleness: int = 0) -> Prediction:
     """Predict one training step.
 
     Head (streaming stages): one group -> its components add up on the whole batch; several groups -> a pipeline
     over batch/micro_batch micro-batches: fill (first micro-batch through every group, plus transfers) + slowest
     group x (micro-batches - 1). A group's time per micro-batch is the sum of its components (+ their switches when
-    offloading). Env<->rollout loop on different devices with S stages: max(S*env, S*rollout, env+rollout+transfer
-    +split latency) at batch/S; on the same devices they take turns: S*(env + rollout + shared latency) at batch/S.
+    offloading). A loop (the first two stages alternating, a and b) on different devices with S stages: max(S*a, S*b,
+    a+b+transfer+split latency) at batch/S; on the same devices they take turns: S*(a + b + shared latency) at batch/S.
     Then once-per-step work, switches, the tail stages on the whole batch one after another, weight sync.
-    `staleness` (the flow's algorithm.max_staleness, or the off-policy embodied flow's sac.max_policy_lag) >= 1:
-    generation (or the env<->rollout loop's collection) of the next steps overlaps this one wherever the source has
+    `staleness` (how many steps old the data a step trains on may be) >= 1:
+    generation (or the loop's collection) of the next steps overlaps this one wherever the source has
     devices of its own (`overlapped`); the saving is a negative part of the breakdown.
     """
     batch = batch or model.profile.batch
     micro_batch = micro_batch or batch
-    t = _terms(model, layout, batch, micro_batch, env_stages, offload)
+    t = _terms(model, layout, batch, micro_batch, loop_stages, offload)
     parts: list[tuple[str, float]] = []
     busy = {c: 0.0 for c in model.profile.stages}
     switch = 0.0
     if t.loop:
-        env_s, pol_s, x, s = t.loop
-        env, pol = model.profile.loop
-        parts.append((f"{env}<->{pol} loop, {s} pipeline stage(s)", max(s * env_s, s * pol_s, env_s + pol_s + x)))
-        busy[env], busy[pol] = s * env_s, s * pol_s
+        a_s, b_s, x, s = t.loop
+        a, b = model.profile.loop
+        parts.append((f"{a}<->{b} loop, {s} pipeline stage(s)", max(s * a_s, s * b_s, a_s + b_s + x)))
+        busy[a], busy[b] = s * a_s, s * b_s
     else:
         taus = [sum(c + sw for _, c, sw in work) for work in t.head_work]
         for work in t.head_work:
@@ -486,12 +486,12 @@ class Box:
 
 
 def schedule(model: CostModel, layout: Layout, batch: int | None = None, micro_batch: int | None = None,
-             env_stages: int = 1, offload: bool = False) -> list[Box]:
+             loop_stages: int = 1, offload: bool = False) -> list[Box]:
     """The step laid out in time, consistent with `predict` (the last box ends at its `seconds`): each
     micro-batch starts on a group when the group is free and the previous group has finished it (+ transfer)."""
     batch = batch or model.profile.batch
     micro_batch = micro_batch or batch
-    return _boxes(model, layout, _terms(model, layout, batch, micro_batch, env_stages, offload))
+    return _boxes(model, layout, _terms(model, layout, batch, micro_batch, loop_stages, offload))
 
 
 def _boxes(model: CostModel, layout: Layout, t: _Terms) -> list[Box]:
@@ -499,11 +499,11 @@ def _boxes(model: CostModel, layout: Layout, t: _Terms) -> list[Box]:
     boxes: list[Box] = []
     now = 0.0
     if t.loop:
-        env_s, pol_s, x, s = t.loop
-        length = max(s * env_s, s * pol_s, env_s + pol_s + x)
-        env, pol = model.profile.loop
-        boxes.append(Box(t.head_groups[0], env, 0.0, s * env_s, "loop"))
-        boxes.append(Box(t.head_groups[1], pol, length - s * pol_s, length, "loop"))
+        a_s, b_s, x, s = t.loop
+        length = max(s * a_s, s * b_s, a_s + b_s + x)
+        a, b = model.profile.loop
+        boxes.append(Box(t.head_groups[0], a, 0.0, s * a_s, "loop"))
+        boxes.append(Box(t.head_groups[1], b, length - s * b_s, length, "loop"))
         now = length
     else:
         done = [0.0] * len(t.head_work)  # when each group finished its previous micro-batch

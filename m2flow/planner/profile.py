@@ -28,7 +28,7 @@ class Measurement:
     """One timed call: `component` processed `batch` samples on `devices` devices (one data-parallel rank each)."""
 
     component: str
-    batch: int  # samples in the call, in the flow's unit (reasoning: responses; embodied: environments)
+    batch: int  # samples in the call, in the flow's unit (e.g. responses, or environments)
     devices: int  # devices the component ran on
     seconds: float  # wall time of the call (excluding once-per-step work, see ComponentInfo.fixed_seconds)
     peak_bytes: int = 0  # peak memory per device during the call, the component's own state included; 0 = not measured
@@ -84,28 +84,28 @@ class Weights:
 
 @dataclass(frozen=True)
 class LoopLatency:
-    """Embodied: seconds per env stage and rollout that the env waits for actions beyond the policy's own compute (the
-    rollout rows): the hand-overs' round trips, with env and policy on the same devices or on different ones."""
+    """A loop's hand-overs: seconds per stage and step that its first stage waits on its second beyond the second's
+    own compute (its rows), the round trips, with the two on the same devices (`shared`) or on different ones."""
 
     shared: float = 0.0
     split: float = 0.0
-    # one lockstep stage with the policy in the env's process, as the flow runs it on shared devices
-    # (`rollout.cohost`), takes this share of the env and rollout rows (timed in two processes, the requests' sends
-    # included) and pays no round trips. None (not measured, or the flow does not co-host): the rows + shared
+    # one lockstep stage with the second stage in the first's process, as a flow may run it on shared devices,
+    # takes this share of the two stages' rows (timed in two processes, the requests' sends included) and pays no
+    # round trips. None (not measured, or the flow does not co-host): the rows + shared
     cohosted_scale: float | None = None
 
-    def on_shared_devices(self, env_stages: int) -> tuple[float, float]:
-        """A rollout with env and policy on the same devices in `env_stages` stages: (the factor on the env and
-        rollout rows, the round trips' seconds per stage)."""
-        if env_stages == 1 and self.cohosted_scale is not None:
+    def on_shared_devices(self, loop_stages: int) -> tuple[float, float]:
+        """The loop on the same devices in `loop_stages` stages: (the factor on its two stages' rows, the round
+        trips' seconds per stage)."""
+        if loop_stages == 1 and self.cohosted_scale is not None:
             return self.cohosted_scale, 0.0
         return 1.0, self.shared
 
 
 @dataclass
 class Profile:
-    """A flow's measured costs. `stages` is the order data moves in; `loop` (embodied) names the first two
-    stages when they alternate every env step (env <-> rollout) instead of passing data once."""
+    """A flow's measured costs. `stages` is the order data moves in; `loop` names the first two stages when they
+    alternate every step (an env and its policy, say) instead of passing data once."""
 
     flow: str
     stages: tuple[str, ...]
@@ -118,7 +118,7 @@ class Profile:
     loop: tuple[str, ...] = ()
     loop_latency: LoopLatency = field(default_factory=lambda: LoopLatency())
     source: str = "<profile>"  # where it was read from, for error messages
-    # a collocated plan runs every component in one process (the reasoning flow's rollout.cohost): its step takes
+    # a collocated plan runs every component in one process (where the flow co-hosts them): its step takes
     # this share of the rows it is made of (+ once-per-step work). None: not measured, the rows as they are
     cohosted_scale: float | None = None
 
@@ -164,7 +164,7 @@ class Profile:
                 r.fail("stages", f"has {name!r}, which cannot name a component in a placement (letters, digits, _, -)")
         loop = tuple(r.names(data, "loop")) if "loop" in data else ()
         if loop and loop != stages[:2]:
-            r.fail("loop", f"must be the first two stages {list(stages[:2])} (they alternate every env step), "
+            r.fail("loop", f"must be the first two stages {list(stages[:2])} (they alternate every step), "
                            f"got {list(loop)}")
         lat = data.get("loop_latency", {})
         r.mapping(lat, "loop_latency", {"shared", "split", "cohosted_scale"})
@@ -172,12 +172,12 @@ class Profile:
                                    r.number(lat, "split", "loop_latency", default=0.0),
                                    r.number(lat, "cohosted_scale", "loop_latency") if "cohosted_scale" in lat else None)
         if (loop_latency.shared or loop_latency.split or loop_latency.cohosted_scale is not None) and not loop:
-            r.fail("loop_latency", "is set, but the profile has no env<->rollout loop")
+            r.fail("loop_latency", "is set, but the profile has no loop")
         batch = r.integer(data, "batch", minimum=1)
         cohosted = r.number(data, "cohosted_scale") if "cohosted_scale" in data else None
         if cohosted is not None and (cohosted <= 0 or loop):
-            r.fail("cohosted_scale", f"must be > 0 and only in a profile without an env<->rollout loop (embodied "
-                                     f"profiles use loop_latency.cohosted_scale), got {cohosted}")
+            r.fail("cohosted_scale", f"must be > 0 and only in a profile without a loop (profiles with "
+                                     f"one use loop_latency.cohosted_scale), got {cohosted}")
 
         m = data["machine"]
         r.mapping(m, "machine", {"kind", "devices", "memory_bytes"}, required={"kind", "devices", "memory_bytes"})

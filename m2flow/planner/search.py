@@ -1,5 +1,5 @@
-"""Plan search: enumerates layouts (collocated, disaggregated, hybrid), device splits, micro-batch sizes, env
-pipeline stages and offload; prunes plans that do not fit in memory; ranks the rest by predicted step time.
+"""Plan search: enumerates layouts (collocated, disaggregated, hybrid), device splits, micro-batch sizes, the
+loop's pipeline stages and offload; prunes plans that do not fit in memory; ranks the rest by predicted step time.
 
 Pure: it reads a profile and returns candidates (with placement specs that `parse_placement` accepts); it
 launches nothing. Also `plan_command`, the logic of `m2flow plan --profile P.json --devices N`.
@@ -32,7 +32,7 @@ class Candidate:
     layout: Layout
     batch: int
     micro_batch: int  # samples per message between stages (the whole batch when nothing is pipelined)
-    env_stages: int  # env<->rollout pipeline stages (embodied); 1 otherwise
+    loop_stages: int  # pipeline stages of the loop (a profile whose first two stages alternate); 1 otherwise
     offload: bool
     prediction: Prediction
 
@@ -53,8 +53,8 @@ class Candidate:
         return self.layout.num_devices
 
     def describe(self) -> str:
-        env = f", {self.env_stages} env pipeline stage(s)" if self.env_stages > 1 else ""
-        return (f"{self.mode}  {self.spec}\n  micro-batch {self.micro_batch}{env}, "
+        stages = f", {self.loop_stages} loop pipeline stage(s)" if self.loop_stages > 1 else ""
+        return (f"{self.mode}  {self.spec}\n  micro-batch {self.micro_batch}{stages}, "
                 f"offload {'on' if self.offload else 'off'}, predicted step {self.seconds:.3g} s, bottleneck {self.prediction.bottleneck}")
 
 
@@ -82,11 +82,11 @@ class SearchResult:
         """The top candidates as a text table."""
         base = self.collocated.seconds if self.collocated else None
         loop = bool(self.profile.loop)
-        head = ["#", "mode", "placement", "micro", *(["env"] if loop else []), "offload", "step s",
+        head = ["#", "mode", "placement", "micro", *(["loop"] if loop else []), "offload", "step s",
                 "vs colloc", "bottleneck"]
         rows = []
         for i, c in enumerate(self.candidates, 1):
-            rows.append([str(i), c.mode, c.spec, str(c.micro_batch), *([str(c.env_stages)] if loop else []),
+            rows.append([str(i), c.mode, c.spec, str(c.micro_batch), *([str(c.loop_stages)] if loop else []),
                          "on" if c.offload else "off", f"{c.seconds:.4g}",
                          f"{base / c.seconds:.2f}x" if base else "-", c.prediction.bottleneck])
         widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
@@ -103,7 +103,7 @@ class SearchResult:
 
     def to_plan_dict(self) -> dict:
         """The best plan as plain data, e.g. for plan.yaml: the keys of ExecutionPlan.to_dict (one rank per device,
-        as parse_placement makes them) + env stages + the prediction."""
+        as parse_placement makes them) + the loop's stages + the prediction."""
         b = self.best
         ranges = b.layout.ranges()
         placement = {}
@@ -118,7 +118,7 @@ class SearchResult:
             "micro_batch": self.batch if b.mode == "collocated" else b.micro_batch,
             "channel_maxsize": 0,
             "offload": b.offload,
-            "env_stages": b.env_stages,
+            "loop_stages": b.loop_stages,
             "predicted_step_seconds": round(b.seconds, 6),
             "predicted_collocated_seconds": round(self.collocated.seconds, 6) if self.collocated else None,
             "breakdown": {label: round(s, 6) for label, s in b.prediction.parts},
@@ -256,7 +256,7 @@ def search(profile: Profile, num_devices: int, top: int = 10, components: list[s
     feasible.sort(key=lambda c: (round(c.seconds, 9), len(c.layout.groups) + len(c.layout.shared), c.offload, c.spec))
     best, seen = [], set()
     for c in feasible:  # one row per structure (grouping, granularity, offload), with its best device split
-        key = (c.layout.groups, c.layout.shared, c.micro_batch, c.env_stages, c.offload)
+        key = (c.layout.groups, c.layout.shared, c.micro_batch, c.loop_stages, c.offload)
         if key not in seen and len(best) < top:
             seen.add(key)
             best.append(c)
@@ -319,7 +319,7 @@ def _extrapolation_notes(profile: Profile, c: Candidate) -> list[str]:
     for name in profile.stages:
         d = c.layout.devices(name)
         if name in head and profile.loop:
-            n = c.batch // c.env_stages
+            n = c.batch // c.loop_stages
         elif name in head and name != head[0]:
             n = c.micro_batch
         else:

@@ -31,11 +31,11 @@ def plot_predicted(profile: Profile, candidate, path: str | Path, compare=None) 
                         gridspec_kw={"height_ratios": [n + 1.2 for n in lanes]})[:, 0]
     total = max(c.seconds for _, c in panels)
     for ax, (name, cand) in zip(axes, panels):
-        boxes = schedule(model, cand.layout, cand.batch, cand.micro_batch, cand.env_stages, cand.offload)
+        boxes = schedule(model, cand.layout, cand.batch, cand.micro_batch, cand.loop_stages, cand.offload)
         _draw(ax, cand, boxes, colors, total)
-        env = f", {cand.env_stages} env stages" if cand.env_stages > 1 else ""
+        stages = f", {cand.loop_stages} loop stages" if cand.loop_stages > 1 else ""
         what = name if name == cand.mode else f"{name} ({cand.mode})"
-        ax.set_title(f"{what}: [{cand.spec}]  micro-batch {cand.micro_batch}{env}, "
+        ax.set_title(f"{what}: [{cand.spec}]  micro-batch {cand.micro_batch}{stages}, "
                      f"offload {'on' if cand.offload else 'off'}  ->  {cand.seconds:.3g} s per step",
                      fontsize=9, loc="left")
     axes[-1].set_xlabel("predicted seconds within one training step")
@@ -66,7 +66,7 @@ def _draw(ax, cand, boxes: list[Box], colors: dict, total: float) -> None:
             if width > 0.06 * total and b.kind != "switch":
                 text = b.component if b.micro is None else f"{b.component} {b.micro}"
                 if b.kind == "loop":
-                    text = f"{b.component} ({cand.env_stages} sub-batches, interleaved)"
+                    text = f"{b.component} ({cand.loop_stages} sub-batches, interleaved)"
                 ax.text(b.start + width / 2, lane, text, ha="center", va="center", fontsize=7, clip_on=True)
     ax.set_yticks(range(n), [cand.layout.label(g) + (f" (+{','.join(cand.layout.shared)})" if cand.layout.shared else "")
                              for g in range(n)], fontsize=8)

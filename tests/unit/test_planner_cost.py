@@ -206,15 +206,15 @@ def test_embodied_loop_with_env_pipeline_stages():
     step = (0.2 + 0.05 * 16) * 2 ** 0.5  # env (and rollout): 32 envs per stage over 2 devices
     loop = max(2 * step, 2 * step, 2 * step + 0.001 + 32 * 1e6 / 1e9 * 0.1)
     actor = 0.2 + 0.1 * 16 + 0.3  # on all 4 devices, plus the optimizer step
-    pred = predict(model, hybrid, 64, 32, env_stages=2)
+    pred = predict(model, hybrid, 64, 32, loop_stages=2)
     assert pred.seconds == pytest.approx(loop + 0.001 + 64 * 1e6 / 1e9 * 0.1 + actor)  # + trajectories to the actor
-    one = predict(model, hybrid, 64, 64, env_stages=1)  # no overlap: env then rollout on half the devices each
+    one = predict(model, hybrid, 64, 64, loop_stages=1)  # no overlap: env then rollout on half the devices each
     assert one.seconds > pred.seconds
     # env and rollout on the same devices take turns: S stages add up, S x (env + rollout) at batch / S
-    together = predict(model, Layout.collocated(p.stages, 4), 64, 32, env_stages=2)
+    together = predict(model, Layout.collocated(p.stages, 4), 64, 32, loop_stages=2)
     assert together.seconds == pytest.approx(2 * 2 * model.seconds("env", 32, 4) + actor)
-    with pytest.raises(ValueError, match="env_stages > 1 needs"):
-        predict(CostModel(load("pipeline_wins")), Layout((("rollout",), ("actor",)), (2, 2)), 256, 16, env_stages=2)
+    with pytest.raises(ValueError, match="loop_stages > 1 needs"):
+        predict(CostModel(load("pipeline_wins")), Layout((("rollout",), ("actor",)), (2, 2)), 256, 16, loop_stages=2)
 
 
 def test_weight_sync_only_when_receivers_are_elsewhere():
@@ -273,10 +273,10 @@ def plans(draw):
 @settings(max_examples=50, deadline=None)
 @given(plans())
 def test_schedule_ends_at_the_predicted_step_time(plan):
-    p, layout, micro, env_stages, offload = plan
+    p, layout, micro, loop_stages, offload = plan
     model = CostModel(p)
-    pred = predict(model, layout, p.batch, micro, env_stages, offload)
-    boxes = schedule(model, layout, p.batch, micro, env_stages, offload)
+    pred = predict(model, layout, p.batch, micro, loop_stages, offload)
+    boxes = schedule(model, layout, p.batch, micro, loop_stages, offload)
     assert max(b.end for b in boxes) == pytest.approx(pred.seconds, rel=1e-9)
     assert sum(s for _, s in pred.parts) == pytest.approx(pred.seconds, rel=1e-9)
     lanes: dict = {}
@@ -289,7 +289,7 @@ def test_schedule_ends_at_the_predicted_step_time(plan):
         for (s0, e0), (s1, e1) in zip(spans, spans[1:]):
             assert s1 >= e0 - 1e-9
     # generating a step ahead: never slower, never below half the on-policy step nor below any group's own work
-    ahead = predict(model, layout, p.batch, micro, env_stages, offload, staleness=1)
+    ahead = predict(model, layout, p.batch, micro, loop_stages, offload, staleness=1)
     assert pred.seconds / 2 - 1e-9 <= ahead.seconds <= pred.seconds + 1e-9
     assert ahead.seconds >= max(sum(e - s for s, e in spans) for spans in lanes.values()) - 1e-9
     assert sum(s for _, s in ahead.parts) == pytest.approx(ahead.seconds, rel=1e-9)

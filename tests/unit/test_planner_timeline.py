@@ -50,5 +50,5 @@ def test_plan_command_with_max_staleness_predicts_the_overlap(tmp_path):
 
 def test_plan_command_out_dir_and_embodied(tmp_path):
     text = plan_command(FIXTURES / "embodied_hybrid.json", 4, out_dir=tmp_path / "out")
-    assert "env: 0-1; rollout: 2-3; actor: all" in text and "2 env pipeline stage(s)" in text
+    assert "env: 0-1; rollout: 2-3; actor: all" in text and "2 loop pipeline stage(s)" in text
     assert (tmp_path / "out" / "plan_4dev.png").exists() and (tmp_path / "out" / "plan_4dev.yaml").exists()

@@ -63,8 +63,8 @@ BAD = [
     (lambda d: d["weights"].update(to=["critic"]), r"weights.to names 'critic', which is not a stage"),
     (lambda d: d["transfer"].update(seconds_per_gb="fast"), r"transfer.seconds_per_gb must be a number"),
     (lambda d: d["components"]["actor"].update(merge_samples=-1), r"components.actor.merge_samples must be >= 0"),
-    (lambda d: d.update(cohosted_scale=0.5), r"cohosted_scale must be > 0 and only in a profile without an "
-                                             r"env<->rollout loop \(embodied profiles use loop_latency"),
+    (lambda d: d.update(cohosted_scale=0.5), r"cohosted_scale must be > 0 and only in a profile without a "
+                                             r"loop \(profiles with one use loop_latency"),
 ]
 
 

@@ -67,7 +67,7 @@ def test_embodied_hybrid_pipelines_env_and_rollout_then_trains_on_all_devices():
     r = search(load("embodied_hybrid"), 4)
     best = r.best
     assert best.mode == "hybrid" and best.spec == "env: 0-1; rollout: 2-3; actor: all"
-    assert best.env_stages == 2 and best.micro_batch == 32
+    assert best.loop_stages == 2 and best.micro_batch == 32
     assert best.seconds == pytest.approx(2 * (0.2 + 0.05 * 16) * 2 ** 0.5 + 0.0042 + 0.0074 + 2.1)
     assert best.seconds < r.collocated.seconds
 
@@ -115,7 +115,7 @@ def test_result_table_and_plan_dict():
     assert "rollout: 0-1; actor: 2-3" in lines[2] and "1.09x" in lines[2]
     d = r.to_plan_dict()
     assert d["mode"] == "disaggregated" and d["placement_spec"] == "rollout: 0-1; actor: 2-3"
-    assert d["micro_batch"] == 16 and d["offload"] is False and d["env_stages"] == 1
+    assert d["micro_batch"] == 16 and d["offload"] is False and d["loop_stages"] == 1
     assert d["placement"] == {"rollout": [[0], [1]], "actor": [[2], [3]]}
     assert d["predicted_step_seconds"] == pytest.approx(r.best.seconds, rel=1e-6)
     assert sum(d["breakdown"].values()) == pytest.approx(r.best.seconds, rel=1e-6)
