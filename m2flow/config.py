@@ -378,6 +378,19 @@ def checks_sync(section_cfg, syncs_done: int) -> bool:
     return section_cfg.check_weight_sync is True or (section_cfg.check_weight_sync == "first" and syncs_done < 2)
 
 
+def nonfinite_opt() -> Any:
+    """An actor section's `nonfinite` field (both recipes' actors guard their updates alike)."""
+    return opt("stop", "a non-finite (NaN/inf) loss or gradient: stop (the update is not applied; the run ends with an "
+                       "error naming the component and the first non-finite tensor) | skip (drop that update, count "
+                       "it in actor/nonfinite_skipped)")
+
+
+def max_weight_growth_opt() -> Any:
+    """An actor section's `max_weight_growth` field."""
+    return opt(2.0, "stop when one training step multiplies the norm of the weights by more than this (a learning "
+                    "rate far too high wrecks a model without any NaN); 0: off", within="[0, inf)")
+
+
 def validate_nonfinite(actor, where: str) -> None:
     if actor.nonfinite not in ("stop", "skip"):
         raise ConfigError(f"{where}.nonfinite must be stop | skip, got '{actor.nonfinite}'")

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from m2flow.config import (CHECK_SYNC_HELP, ClusterConfig, RunConfig, checks_sync, opt, section, validate_check_sync,
-                           validate_nonfinite)
+from m2flow.config import (CHECK_SYNC_HELP, ClusterConfig, RunConfig, checks_sync, max_weight_growth_opt,
+                           nonfinite_opt, opt, section, validate_check_sync, validate_nonfinite)
 from m2flow.errors import ConfigError
 
 @dataclass
@@ -140,12 +140,8 @@ class EmbodiedActorConfig:
     grad_clip: float = opt(0.5, "max gradient norm", within="(0, inf)")
     compile: bool = opt(False, "torch.compile the minibatch loss (forward + backward), compiled at the first update "
                                   "(inductor needs a C++ compiler)")
-    nonfinite: str = opt("stop", "a non-finite (NaN/inf) loss or gradient: stop (the update is not applied; the run "
-                                 "ends with an error naming the component and the first non-finite tensor) | skip "
-                                 "(drop that update, count it in actor/nonfinite_skipped)")
-    max_weight_growth: float = opt(2.0, "stop when one training step multiplies the norm of the weights by more than "
-                                        "this (a learning rate far too high wrecks a model without any NaN); 0: off",
-                                   within="[0, inf)")
+    nonfinite: str = nonfinite_opt()
+    max_weight_growth: float = max_weight_growth_opt()
     critic_warmup: int = opt(0, "the first N iterations train the value function only, the policy held as it is "
                                 "(its std too where algorithm.ent_coef is 0): a cloned policy's critic learns the RL "
                                 "returns before its advantages steer the policy", within="[0, inf)")

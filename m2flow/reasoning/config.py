@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from m2flow.config import (CHECK_SYNC_HELP, ClusterConfig, RunConfig, checks_sync, opt, section, validate_check_sync,
-                           validate_nonfinite)
+from m2flow.config import (CHECK_SYNC_HELP, ClusterConfig, RunConfig, checks_sync, max_weight_growth_opt,
+                           nonfinite_opt, opt, section, validate_check_sync, validate_nonfinite)
 from m2flow.errors import ConfigError, UserError
 from m2flow.runtime.placement import place_beside
 
@@ -194,12 +194,8 @@ class ActorConfig:
                                     "tokens through the model in training and logprob passes, the same logprobs to "
                                     "float rounding; backend torch only (fsdp2 ranks run the plain pass)")
     backend: str = opt("torch", "torch: one rank | fsdp2: sharded over the actor's ranks (FSDP2, gloo/NCCL)")
-    nonfinite: str = opt("stop", "a non-finite (NaN/inf) loss or gradient: stop (the update is not applied; the run "
-                                 "ends with an error naming the component and the first non-finite tensor) | skip "
-                                 "(drop that update, count it in actor/nonfinite_skipped)")
-    max_weight_growth: float = opt(2.0, "stop when one training step multiplies the norm of the weights by more than "
-                                        "this (a learning rate far too high wrecks a model without any NaN); 0: off",
-                                   within="[0, inf)")
+    nonfinite: str = nonfinite_opt()
+    max_weight_growth: float = max_weight_growth_opt()
 
     def validate(self, where: str) -> None:
         if self.backend not in ("torch", "fsdp2"):
