@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     dm.add_argument("-n", "--episodes", type=int, default=100, help="episodes, from reset seeds SEED, SEED + 1, ...")
     dm.add_argument("--out", default=None, help="dataset directory (default: runs/demos/TASK)")
     dm.add_argument("--seed", type=int, default=0, help="the first reset seed")
+    dm.add_argument("--pixels", action="store_true", help="ManiSkill3: record what env.pixels=true shows a policy "
+                                                          "(the task camera's frames, the proprioception, the "
+                                                          "instruction) instead of the state")
+    dm.add_argument("--image-size", type=int, default=64, help="--pixels: the frames' side (env.image_size)")
 
     pr = sub.add_parser("profile", help="time each component of a flow (reasoning or embodied) alone at several batch sizes")
     pr.add_argument("config", help="YAML file or preset name in configs/")
@@ -225,6 +229,11 @@ def cmd_demos(args) -> int:
         raise UserError(f"demos: {e}") from None
     if args.episodes < 1:
         raise UserError(f"demos: -n must be >= 1, got {args.episodes}")
+    if args.pixels and args.task not in experts.EXPERTS:
+        raise UserError(f"demos: --pixels records the ManiSkill3 tasks' camera frames ({', '.join(experts.EXPERTS)}), "
+                        f"not {args.task}'s")
+    if args.pixels and not 36 <= args.image_size <= 2048:
+        raise UserError(f"demos: --image-size must be in [36, 2048] (env.image_size's range), got {args.image_size}")
     try:
         if args.task in experts.EXPERTS:
             maniskill.check_available()
@@ -234,7 +243,8 @@ def cmd_demos(args) -> int:
     with progress(sys.stderr.isatty()) as bar:
         task = bar.add_task(f"{args.task} expert", total=args.episodes, info="")
         summary = experts.write_demos(args.task, args.episodes, out, seed=args.seed,
-                                      progress=lambda done: bar.update(task, completed=done))
+                                      progress=lambda done: bar.update(task, completed=done), pixels=args.pixels,
+                                      image_size=args.image_size)
     episodes = summary["episodes"]
     print(f"{len(episodes)} episodes of {args.task}: {summary['success_rate']:.0%} successful, "
           f"{sum(e['length'] for e in episodes)} steps; dataset: {out}")

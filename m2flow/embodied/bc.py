@@ -41,16 +41,17 @@ def bc_dataset(arrays: dict[str, np.ndarray], summary: dict, chunk: int = 1, gam
         obs.append(arrays["obs"][rows])
         actions.append(acts)
         returns.append(ret)
-    return {"obs": torch.as_tensor(np.concatenate(obs), dtype=torch.float32),
+    rows_obs = torch.from_numpy(np.concatenate(obs))
+    return {"obs": rows_obs if rows_obs.dtype == torch.uint8 else rows_obs.float(),  # packed pixel rows stay bytes
             "actions": torch.as_tensor(np.concatenate(actions), dtype=torch.float32),
             "returns": torch.as_tensor(np.concatenate(returns), dtype=torch.float32),
             "episodes": torch.tensor(len(keep))}
 
 
-def _datasets(demos: str, env_id: str, instruct: bool):
+def _datasets(demos: str, env_id: str, instruct: bool, pixels: bool = False, image_size: int = 64):
     """(summary, arrays) of each demonstration directory in `demos` (comma-separated), checked against the config's
-    `env_id`, the observations as the policy sees them (`instruct`: the instruction's words, then the state
-    padded)."""
+    `env_id` and observations (`pixels` at `image_size`), the observations as the policy sees them (`instruct`: the
+    instruction's words, then the state padded)."""
     from .envs import maniskill
     from .envs.experts import load_demos
 
@@ -59,6 +60,12 @@ def _datasets(demos: str, env_id: str, instruct: bool):
         summary, arrays = load_demos(where)
         if summary["task"] not in tasks:
             raise ValueError(f"{where}: demonstrations of {summary['task']}, but the config's env.id is {env_id}")
+        theirs = (bool(summary.get("pixels")), summary.get("image_size") if summary.get("pixels") else None)
+        if theirs != (pixels, image_size if pixels else None):
+            seen = f"pixels at {theirs[1]}x{theirs[1]}" if theirs[0] else "state observations"
+            raise ValueError(f"{where}: demonstrations of {seen}, but the config observes "
+                             f"{f'pixels at {image_size}x{image_size}' if pixels else 'states'} (record them with "
+                             f"`m2flow demos {summary['task']}{f' --pixels --image-size {image_size}' if pixels else ''}`)")
         if instruct:
             arrays["obs"] = maniskill.instruction_obs(maniskill.tokenize(summary["instruction"]).astype(np.float32),
                                                       arrays["obs"])
@@ -66,12 +73,12 @@ def _datasets(demos: str, env_id: str, instruct: bool):
 
 
 def demo_data(demos: str, env_id: str, instruct: bool = False, chunk: int = 1, gamma: float = 0.99,
-              episodes: int | None = None) -> dict[str, torch.Tensor]:
+              episodes: int | None = None, pixels: bool = False, image_size: int = 64) -> dict[str, torch.Tensor]:
     """`bc_dataset` of the demonstration directories `demos` (`m2flow demos`; comma-separated, one per task of a
     multi-task `env_id`), concatenated, their observations as the policy sees them (`instruct`: the instruction's
-    words, then the state padded)."""
+    words, then the state padded; `pixels`: packed pixel rows at `image_size`, which the dataset must hold)."""
     parts = [bc_dataset(arrays, summary, chunk=chunk, gamma=gamma, episodes=episodes)
-             for summary, arrays in _datasets(demos, env_id, instruct)]
+             for summary, arrays in _datasets(demos, env_id, instruct, pixels, image_size)]
     return {k: torch.cat([p[k] for p in parts]) if k != "episodes" else sum(p[k] for p in parts) for k in parts[0]}
 
 

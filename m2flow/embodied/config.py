@@ -52,7 +52,9 @@ class EnvConfig:
     clip_reward: float = opt(10.0, "clip scaled rewards to [-c, c]", within="(0, inf)")
     chunk: int = opt(1, "actions per policy call (action chunks): one learner step of up to `chunk` env steps",
                      within="[1, inf)")
-    pixels: bool = opt(False, "observe rendered frames [3, image_size, image_size] uint8 (with policy.kind=cnn)")
+    pixels: bool = opt(False, "observe rendered frames [3, image_size, image_size] uint8: gymnasium's envs (with "
+                              "policy.kind=cnn), or ManiSkill3's task camera with the robot's proprioception and "
+                              "the instruction beside it (with policy.kind=vla)")
     image_size: int = opt(64, "side of the pixel observations (36 at least: the CNN encoder's three convolutions "
                               "leave nothing of a smaller frame)", within="[36, 2048]")
     max_episode_steps: int | None = opt(None, "override the env's time limit (None: the registered one)",
@@ -72,7 +74,8 @@ class EnvConfig:
 @dataclass
 class PolicyConfig:
     kind: str = opt("mlp", "mlp (state obs) | cnn (pixel obs, Nature-CNN encoder) | instruct (env.instruct obs: the "
-                           "instruction's words embedded and averaged, beside the state, into the MLPs)")
+                           "instruction's words embedded and averaged, beside the state, into the MLPs) | vla "
+                           "(ManiSkill3 pixel obs: a tiny vision-language-action model, the vla section)")
     hidden: list[int] = opt([64, 64], "MLP hidden sizes (separate actor and critic networks)", within="[1, inf)")
     activation: str = opt("tanh", "MLP activation: tanh | relu | gelu | elu")
     log_std_init: float = opt(0.0, "initial log std of Gaussian actions", within="(-inf, inf)")
@@ -86,10 +89,32 @@ class PolicyConfig:
                                      "can fail where the mean succeeds)", within="(0, inf)")
 
     def validate(self, where: str) -> None:
-        if self.kind not in ("mlp", "cnn", "instruct"):
-            raise ConfigError(f"{where}.kind must be mlp | cnn | instruct, got '{self.kind}'")
+        if self.kind not in ("mlp", "cnn", "instruct", "vla"):
+            raise ConfigError(f"{where}.kind must be mlp | cnn | instruct | vla, got '{self.kind}'")
         if self.activation not in ("tanh", "relu", "gelu", "elu"):
             raise ConfigError(f"{where}.activation must be tanh | relu | gelu | elu, got '{self.activation}'")
+
+
+@dataclass
+class VLAConfig:
+    """policy.kind=vla: a small Llama over the frame's patches, the proprioception and the instruction's words."""
+    head: str = opt("gaussian", "gaussian (continuous actions, as PPO/SAC policies) | tokens (OpenVLA's discrete "
+                                "action tokens: `bins` per action dimension, decoded one after another)")
+    bins: int = opt(32, "with head=tokens: bins per action dimension over the action space's bounds",
+                    within="[2, 4096]")
+    dim: int = opt(64, "the LM's hidden size (and the patch and word embeddings')", within="[8, inf)")
+    layers: int = opt(2, "the LM's decoder layers", within="[1, inf)")
+    heads: int = opt(4, "attention heads (dim must be a multiple)", within="[1, inf)")
+    patch: int = opt(16, "the frame's patch side in pixels: (image_size / patch)^2 frame tokens; a multiple of 4 "
+                         "dividing env.image_size", within="[4, inf)")
+
+    def validate(self, where: str) -> None:
+        if self.head not in ("gaussian", "tokens"):
+            raise ConfigError(f"{where}.head must be gaussian | tokens, got '{self.head}'")
+        if self.dim % self.heads:
+            raise ConfigError(f"{where}.dim={self.dim} must be a multiple of {where}.heads={self.heads}")
+        if self.patch % 4:
+            raise ConfigError(f"{where}.patch must be a multiple of 4, got {self.patch}")
 
 
 @dataclass
@@ -277,6 +302,7 @@ class EmbodiedConfig:
     cluster: EmbodiedClusterConfig = section(EmbodiedClusterConfig, "Ray cluster and placement of env, rollout, actor")
     env: EnvConfig = section(EnvConfig, "gymnasium envs, normalization, pipeline stages")
     policy: PolicyConfig = section(PolicyConfig, "the actor-critic")
+    vla: VLAConfig = section(VLAConfig, "the vision-language-action policy (policy.kind=vla)")
     rollout: EmbodiedRolloutConfig = section(EmbodiedRolloutConfig, "rollout length")
     algorithm: EmbodiedAlgorithmConfig = section(EmbodiedAlgorithmConfig, "advantages and losses")
     actor: EmbodiedActorConfig = section(EmbodiedActorConfig, "optimization")
@@ -302,6 +328,23 @@ class EmbodiedConfig:
     def validate(self, where: str) -> None:
         if self.policy.kind == "cnn" and not self.env.pixels:
             raise ConfigError("policy.kind=cnn needs env.pixels=true (frames as observations)")
+        from m2flow.embodied.envs.maniskill import TASKS, is_maniskill  # the env package: only when validated
+
+        maniskill = is_maniskill(self.env.id)
+        if self.policy.kind == "vla" and not (self.env.pixels and maniskill):
+            raise ConfigError(f"policy.kind=vla reads ManiSkill3's pixel observations: it needs env.pixels=true and "
+                              f"env.id among {', '.join(TASKS)} (got env.pixels={self.env.pixels}, "
+                              f"env.id={self.env.id})")
+        if self.env.pixels and maniskill:
+            if self.policy.kind != "vla":
+                raise ConfigError(f"env.pixels=true on ManiSkill3 gives the frame with the proprioception and the "
+                                  f"instruction, which policy.kind=vla reads (got policy.kind={self.policy.kind})")
+            if self.env.norm_obs or self.env.instruct:
+                raise ConfigError("env.pixels=true on ManiSkill3 takes env.norm_obs=false and env.instruct=false "
+                                  "(the frame is not normalized; the instruction is always in the observation)")
+            if self.env.image_size % self.vla.patch:
+                raise ConfigError(f"env.image_size={self.env.image_size} must be a multiple of "
+                                  f"vla.patch={self.vla.patch}")
         if "," in self.env.id and self.env.seed_groups > 1:
             raise ConfigError("env.seed_groups > 1 with several tasks in env.id is not supported yet (a group of envs "
                               "sharing a reset seed would mix tasks)")

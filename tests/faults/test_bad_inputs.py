@@ -184,6 +184,12 @@ CASES = [
      "error: sac.buffer_size: 100,000,000,000 transitions of Pendulum-v1 need "),
     ("demos of a task without an expert", ["demos", "PickCub-v1", "-n", "1"],
      "error: demos: no expert for task 'PickCub-v1'; tasks: PickCube-v1, PushCube-v1, StackCube-v1"),
+    ("pixel demos of a Meta-World task", ["demos", "metaworld/reach-v3", "-n", "1", "--pixels"],
+     "error: demos: --pixels records the ManiSkill3 tasks' camera frames (PickCube-v1, PushCube-v1, StackCube-v1), "
+     "not metaworld/reach-v3's"),
+    ("VLA without pixel observations", ["train", "ppo_pickcube", "policy.kind=vla", *TINY],
+     "config error: policy.kind=vla reads ManiSkill3's pixel observations: it needs env.pixels=true and env.id among "
+     "PickCube-v1, PushCube-v1, StackCube-v1 (got env.pixels=False, env.id=PickCube-v1)"),
     ("SAC on an env of discrete actions", ["train", "sac_pendulum", "env.id=CartPole-v1", *TINY],
      "error: algorithm.name=sac: env.id=CartPole-v1 acts in Discrete(2), but SAC's actor squashes its actions into a "
      "bounded Box (continuous actions with finite bounds); use algorithm.name=ppo for this env"),

@@ -81,6 +81,50 @@ def test_every_task_resets_from_its_seed_and_its_expert_solves_it(task, obs_dim)
                                                                                                    obs_dim)
 
 
+def test_an_unseeded_reset_follows_the_envs_own_seed_not_torchs_global_rng():
+    """ManiSkill draws an unseeded reset from torch's global RNG; m2flow's envs seed it from their last seeded reset,
+    so the episodes after an auto-reset are the same in any plan (whatever else the process draws)."""
+    import torch
+
+    env = maniskill.make("PickCube-v1")
+    env.reset(seed=3)
+    first, _ = env.reset()
+    env.reset(seed=3)
+    torch.rand(100)  # the policy, or another env, drawing from the global RNG in between
+    again, _ = env.reset()
+    np.testing.assert_array_equal(first, again)
+    env.reset(seed=4)
+    assert not np.array_equal(first, env.reset()[0])
+    env.close()
+
+
+@pytest.mark.parametrize("task", ["PickCube-v1", "PushCube-v1"])
+def test_pixel_observations_are_the_task_cameras_frame_with_the_proprioception_and_the_instruction(task):
+    """env.pixels on ManiSkill3: each observation is one packed row of `pixel_layout(image_size)`: the task camera's
+    RGB frame at that size, the state ManiSkill gives beside its frames (no object pose) zero-padded, the task's
+    word ids. The frame changes as the arm moves; a reset from the same seed gives the same row."""
+    import torch
+
+    g = EnvGroup(make_env_fns(task, 2, seed=0, pixels=True, image_size=48), env_id=task)
+    layout = maniskill.pixel_layout(48)
+    obs = g.reset(seed=7)
+    assert obs.shape == (2, layout.nbytes) and obs.dtype == np.uint8 and g.observation_space == layout.space()
+    np.testing.assert_array_equal(obs, g.reset(seed=7))
+    fields = layout.unpack(torch.from_numpy(obs))
+    rgb, state = fields["rgb"].numpy(), fields["state"].numpy()
+    assert rgb.shape == (2, 3, 48, 48) and rgb.std() > 10  # a rendered scene, not a blank frame
+    assert fields["instruction"][0].tolist() == maniskill.tokenize(maniskill.instruction(task)).tolist()
+    used = np.flatnonzero(np.abs(state).max(0) > 0)
+    assert 18 <= used.max() + 1 < 42 and not state[:, 42:].any()  # proprioception, not the state obs' 42 (PickCube)
+    moved = obs
+    for _ in range(5):
+        moved = g.step(np.tile([[1.0, 0.0, 1.0, -1.0]], (2, 1)).astype(np.float32)).obs
+    after = layout.unpack(torch.from_numpy(moved))
+    assert np.abs(after["rgb"].numpy().astype(int) - rgb.astype(int)).mean() > 0.5  # the arm moved in the frame
+    assert not np.allclose(after["state"].numpy(), state)
+    g.close()
+
+
 @pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_m2flow_demos_writes_a_dataset_with_seeds_and_success(tmp_path):
     out = tmp_path / "push"
@@ -96,6 +140,38 @@ def test_m2flow_demos_writes_a_dataset_with_seeds_and_success(tmp_path):
     assert len(arrays["obs"]) == len(arrays["actions"]) == sum(lengths)
     assert np.bincount(arrays["episode"]).tolist() == lengths
     assert np.abs(arrays["actions"]).max() <= 1.0
+
+
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
+def test_pixel_demonstrations_hold_the_frames_and_the_state_datasets_actions(tmp_path):
+    """`m2flow demos TASK --pixels`: the expert reads the simulator either way, so a pixel dataset's actions are the
+    state dataset's for the same seeds; its observations are packed pixel rows, and behaviour cloning of a state
+    config refuses it, naming the command that records what the config needs."""
+    import torch
+
+    from m2flow.embodied.bc import demo_data
+
+    result = subprocess.run([sys.executable, "-m", "m2flow.cli", "demos", "PickCube-v1", "-n", "2", "--pixels",
+                             "--image-size", "48", "--out", str(tmp_path / "px")], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    experts.write_demos("PickCube-v1", 2, tmp_path / "state")
+    (summary, pixels), (_, state) = experts.load_demos(tmp_path / "px"), experts.load_demos(tmp_path / "state")
+    assert summary["pixels"] is True and summary["image_size"] == 48 and summary["success_rate"] == 1.0
+    layout = maniskill.pixel_layout(48)
+    assert pixels["obs"].dtype == np.uint8 and pixels["obs"].shape == (len(state["obs"]), layout.nbytes)
+    np.testing.assert_array_equal(pixels["actions"], state["actions"])
+    np.testing.assert_array_equal(pixels["episode"], state["episode"])
+    frames = layout.unpack(torch.from_numpy(pixels["obs"]))["rgb"]
+    assert frames.float().std() > 10 and not torch.equal(frames[0], frames[-1])
+    data = demo_data(str(tmp_path / "px"), "PickCube-v1", pixels=True, image_size=48)
+    assert data["obs"].dtype == torch.uint8 and len(data["obs"]) == len(data["actions"]) == len(state["obs"])
+    with pytest.raises(ValueError, match=r"demonstrations of pixels at 48x48, but the config observes states"):
+        demo_data(str(tmp_path / "px"), "PickCube-v1")
+    with pytest.raises(ValueError, match=r"demonstrations of state observations, but the config observes pixels at "
+                                         r"64x64 \(record them with `m2flow demos PickCube-v1 --pixels --image-size "
+                                         r"64`\)"):
+        demo_data(str(tmp_path / "state"), "PickCube-v1", pixels=True, image_size=64)
 
 
 def test_a_wrong_task_name_lists_the_tasks():

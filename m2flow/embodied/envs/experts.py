@@ -10,9 +10,11 @@ and PushCube succeed on every seed; StackCube on most (the failed episodes are k
 Why not ManiSkill's motion planner: it needs `mplib` 0.1.1, which segfaults under numpy 2 (the main environment's),
 and its demos are in joint-position control, to be converted by replaying them.
 
-A dataset is a directory: `demos.npz` (obs [T, D] float32, actions [T, 4] float32, rewards [T] float32, episode
-[T] int32: each row's episode number) and `demos.json` (task, instruction, control mode, and per episode its reset
-seed, length, success and return).
+A dataset is a directory: `demos.npz` (obs [T, D] float32, or with `pixels` the packed pixel rows [T, nbytes] uint8
+of `maniskill.pixel_layout`; actions [T, 4] float32, rewards [T] float32, episode [T] int32: each row's episode number)
+and `demos.json` (task, instruction, control mode, the observations' kind (`pixels`, `image_size`), and per episode
+its reset seed, length, success and return). The expert reads the simulator either way, so a pixel dataset's actions
+are the state dataset's for the same seeds.
 """
 
 from __future__ import annotations
@@ -130,9 +132,13 @@ def check_task(env_id: str) -> None:
                          f"Meta-World task (e.g. metaworld/reach-v3)")
 
 
-def _make(env_id: str, max_episode_steps: int | None = None) -> gym.Env:
-    family = metaworld if metaworld.is_metaworld(env_id) else maniskill
-    return family.make(env_id, max_episode_steps=max_episode_steps or family.MAX_EPISODE_STEPS)
+def _make(env_id: str, max_episode_steps: int | None = None, pixels: bool = False, image_size: int = 64) -> gym.Env:
+    if metaworld.is_metaworld(env_id):
+        if pixels:
+            raise ValueError(f"{env_id}: pixel demonstrations are recorded for the ManiSkill3 tasks only")
+        return metaworld.make(env_id, max_episode_steps=max_episode_steps or metaworld.MAX_EPISODE_STEPS)
+    extra = dict(pixels=True, image_size=image_size) if pixels else {}
+    return maniskill.make(env_id, max_episode_steps=max_episode_steps or maniskill.MAX_EPISODE_STEPS, **extra)
 
 
 def _policy(env_id: str, env: gym.Env) -> Callable[[np.ndarray], np.ndarray]:
@@ -161,15 +167,19 @@ def run_expert(env_id: str, seed: int, env: gym.Env | None = None, max_episode_s
         success = bool(info.get("success", False))
         if terminated or truncated:
             break
-    return {"obs": np.asarray(rows, np.float32), "actions": np.asarray(actions, np.float32),
+    obs_dtype = np.uint8 if np.asarray(rows[0]).dtype == np.uint8 else np.float32  # packed pixel rows stay bytes
+    return {"obs": np.asarray(rows, obs_dtype), "actions": np.asarray(actions, np.float32),
             "rewards": np.asarray(rewards, np.float32), "success": success, "length": len(actions), "seed": seed}
 
 
-def write_demos(env_id: str, episodes: int, out: str | Path, seed: int = 0, progress=None) -> dict:
-    """Run the expert from reset seeds seed, seed + 1, ... and write the dataset (module docstring) to `out`.
-    `progress(i)` is called after each episode. Returns the JSON summary."""
+def write_demos(env_id: str, episodes: int, out: str | Path, seed: int = 0, progress=None, pixels: bool = False,
+                image_size: int = 64) -> dict:
+    """Run the expert from reset seeds seed, seed + 1, ... and write the dataset (module docstring) to `out`;
+    `pixels`: the observations are the task camera's frames at `image_size` with the proprioception and the
+    instruction (what env.pixels=true shows a policy). `progress(i)` is called after each episode. Returns the JSON
+    summary."""
     check_task(env_id)
-    env = _make(env_id)
+    env = _make(env_id, pixels=pixels, image_size=image_size)
     runs = []
     for i in range(episodes):
         runs.append(run_expert(env_id, seed + i, env))
@@ -186,6 +196,7 @@ def write_demos(env_id: str, episodes: int, out: str | Path, seed: int = 0, prog
     summary = {"task": env_id, "instruction": "" if mw else maniskill.instruction(env_id),
                "control_mode": metaworld.CONTROL_MODE if mw else maniskill.CONTROL_MODE,
                "max_episode_steps": (metaworld if mw else maniskill).MAX_EPISODE_STEPS,
+               "pixels": pixels, **({"image_size": image_size} if pixels else {}),
                "expert": type(metaworld.expert(env_id)).__name__ if mw else EXPERTS[env_id].__name__,
                "success_rate": float(np.mean([r["success"] for r in runs])),
                "episodes": [{"seed": r["seed"], "length": r["length"], "success": r["success"],

@@ -112,10 +112,11 @@ def make_env_fns(
     """
     check_env_id(env_id)
     if maniskill.is_maniskill(env_id):  # SAPIEN, not a gym.make of the registry's defaults
-        if pixels:
-            raise ValueError(f"{env_id}: pixel observations are not supported for ManiSkill3 tasks yet (state only)")
         tasks = maniskill.task_ids(env_id)
-        if len(tasks) > 1 and not kwargs.get("instruct"):
+        if pixels:  # the task camera's frames, packed with the proprioception and the instruction
+            kwargs = {**kwargs, "pixels": True, "image_size": image_size}
+            kwargs.pop("instruct", None)  # a pixel observation carries the instruction always
+        if len(tasks) > 1 and not kwargs.get("instruct") and not pixels:
             raise ValueError(f"{env_id}: several tasks in one env group need instruction observations (env.instruct="
                              f"true: the tasks' states differ in size, and the policy must be told the task)")
         maniskill.check_available()  # a one-line error here rather than in every env's constructor

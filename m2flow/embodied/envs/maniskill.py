@@ -1,6 +1,8 @@
 """ManiSkill3 tabletop manipulation (RLinf's embodied benchmark) as plain gymnasium envs: PickCube-v1, PushCube-v1 and
-StackCube-v1 with state observations on SAPIEN's CPU physics, one env per gymnasium env (the env worker's processes
-and pipeline stages vectorise them, as for every other task), each with its task instruction in words.
+StackCube-v1 on SAPIEN's CPU physics, one env per gymnasium env (the env worker's processes and pipeline stages
+vectorise them, as for every other task), each with its task instruction in words. Observations are the task's state,
+or (`pixels`) the task camera's RGB frame with the robot's proprioception and the instruction beside it, packed in
+one uint8 row (`pixel_layout`, m2flow.embodied.envs.packed).
 
 Needs the `maniskill` extra (`pip install 'm2flow[maniskill]'`) and a Vulkan device: SAPIEN asks for one even when
 nothing is rendered. On Debian 12, `make vulkan` installs Mesa's software driver from bookworm-backports (Debian 12's
@@ -14,6 +16,8 @@ import functools
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+
+from m2flow.embodied.envs.packed import Field, PackedLayout
 
 # the task's instruction, as an instruction-conditioned policy reads it
 TASKS = {
@@ -74,6 +78,54 @@ def instruction_obs(tokens: np.ndarray, states: np.ndarray) -> np.ndarray:
     return out
 
 
+@functools.cache
+def pixel_layout(image_size: int) -> PackedLayout:
+    """A pixel observation's fields: `state` the robot's proprioception and what the task tells it (joint positions
+    and velocities, the gripper's pose, whether it grasps, the goal where the task has one: not the objects' poses,
+    which the frame shows) zero-padded to STATE_DIM; `instruction` the task's word ids; `rgb` the task camera's frame
+    [3, image_size, image_size], channel first."""
+    return PackedLayout([Field("state", "float32", (STATE_DIM,)), Field("instruction", "int32", (INSTRUCTION_TOKENS,)),
+                         Field("rgb", "uint8", (3, image_size, image_size))])
+
+
+class PixelObservation(gym.ObservationWrapper):
+    """ManiSkill's {"rgb": [H, W, 3], "state": [D]} (its FlattenRGBDObservationWrapper, unbatched) with the task's
+    instruction, as one packed row of `pixel_layout(image_size)`."""
+
+    def __init__(self, env: gym.Env, text: str, image_size: int):
+        super().__init__(env)
+        self.layout, self.tokens = pixel_layout(image_size), tokenize(text).astype(np.int32)
+        state = env.observation_space["state"].shape[0]
+        if state > STATE_DIM:
+            raise ValueError(f"{text!r}: a state of {state} numbers does not fit STATE_DIM={STATE_DIM}")
+        self.observation_space = self.layout.space()
+
+    def observation(self, obs):
+        state = np.zeros(STATE_DIM, np.float32)
+        state[:len(obs["state"])] = obs["state"]
+        return self.layout.pack(state=state, instruction=self.tokens,
+                                rgb=np.ascontiguousarray(np.moveaxis(obs["rgb"][..., :3], -1, 0)))
+
+
+class SeededResets(gym.Wrapper):
+    """ManiSkill draws an unseeded reset's episode (where the cube and the goal start) from torch's global RNG, which
+    every env of a process shares: the episodes after a seeded reset then depend on how many draws the other envs,
+    and anything else in the process, took before, so the same seeds gave other episodes in another plan. Here an
+    unseeded reset is seeded from the env's own generator, which the last seeded reset seeded: each env's episodes are
+    a function of its seeds alone, as gymnasium's contract has it."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self._rng = np.random.default_rng()
+
+    def reset(self, *, seed=None, options=None):
+        if seed is None:
+            seed = int(self._rng.integers(2**31 - 1))
+        else:
+            self._rng = np.random.default_rng(seed)
+        return self.env.reset(seed=seed, options=options)
+
+
 def registered_by_it(spec) -> bool:
     """Whether a gymnasium registry entry is one of ManiSkill's (it registers all its tasks once imported)."""
     entry = spec.entry_point
@@ -106,21 +158,31 @@ def check_available() -> None:
 
 
 def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = MAX_EPISODE_STEPS,
-         instruct: bool = False, ignore_terminations: bool = False, **kwargs) -> gym.Env:
-    """One ManiSkill3 env with state observations on the CPU backend, as a standard gymnasium env: numpy arrays, no
-    batch dimension (`CPUGymWrapper`). obs [D] float32 (42 for PickCube), actions [4] in [-1, 1]; `info["success"]`
-    at every step. An episode terminates when the task succeeds and is truncated after `max_episode_steps`.
-    `instruct`: observations carry the task's instruction (`InstructionObservation`). `ignore_terminations`: an
-    episode runs to its step limit whatever happens (ManiSkill's own option; its PPO baseline trains so), and a dense
-    reward keeps paying for staying at the goal, where ending on success would stop it."""
+         instruct: bool = False, ignore_terminations: bool = False, pixels: bool = False, image_size: int = 64,
+         **kwargs) -> gym.Env:
+    """One ManiSkill3 env on the CPU backend, as a standard gymnasium env: numpy arrays, no batch dimension
+    (`CPUGymWrapper`). obs [D] float32 (42 for PickCube), actions [4] in [-1, 1]; `info["success"]` at every step.
+    An episode terminates when the task succeeds and is truncated after `max_episode_steps`.
+    `instruct`: observations carry the task's instruction (`InstructionObservation`). `pixels`: the task camera
+    renders at image_size x image_size and the observation is its frame with the proprioception and the instruction
+    (`PixelObservation`; the instruction is always there). `ignore_terminations`: an episode runs to its step limit
+    whatever happens (ManiSkill's own option; its PPO baseline trains so), and a dense reward keeps paying for staying
+    at the goal, where ending on success would stop it."""
     text = instruction(env_id)
     check_available()
     import mani_skill.envs  # noqa: F401  (registers the tasks)
+    from mani_skill.utils.wrappers.flatten import FlattenRGBDObservationWrapper
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
-    options = dict(obs_mode="state", sim_backend="physx_cpu", control_mode=CONTROL_MODE,
-                   render_backend="none" if render_mode is None else "cpu")
+    options = dict(obs_mode="rgb" if pixels else "state", sim_backend="physx_cpu", control_mode=CONTROL_MODE,
+                   render_backend="none" if render_mode is None and not pixels else "cpu")
+    if pixels:
+        options["sensor_configs"] = dict(width=image_size, height=image_size)
     options.update(kwargs)
-    env = CPUGymWrapper(gym.make(env_id, num_envs=1, render_mode=render_mode, max_episode_steps=max_episode_steps,
-                                 **options), ignore_terminations=ignore_terminations)
+    env = gym.make(env_id, num_envs=1, render_mode=render_mode, max_episode_steps=max_episode_steps, **options)
+    if pixels:  # ManiSkill's own flattening: {"rgb": the cameras' frames, "state": the rest}
+        env = FlattenRGBDObservationWrapper(env, rgb=True, depth=False, state=True)
+    env = SeededResets(CPUGymWrapper(env, ignore_terminations=ignore_terminations))
+    if pixels:
+        return PixelObservation(env, text, image_size)
     return InstructionObservation(env, text) if instruct else env

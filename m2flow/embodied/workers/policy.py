@@ -17,6 +17,7 @@ from gymnasium import spaces
 from torch import nn
 
 from m2flow.embodied.policies import ActorCritic, SquashedGaussianActor, build_policy, categorical_logprob, gaussian_logprob
+from m2flow.embodied.vla import GaussianVLA, TokenVLA, build_vla
 from m2flow.runtime import Worker
 from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
 
@@ -30,6 +31,8 @@ def make_policy(cfg, obs_space, action_space) -> ActorCritic | SquashedGaussianA
             torch.manual_seed(cfg.run.seed)
             return SquashedGaussianActor(int(np.prod(obs_space.shape)), action_space, tuple(p.hidden), p.activation,
                                          cfg.sac.logp_eps)
+    if p.kind == "vla":
+        return _make_vla(cfg, obs_space, action_space)
     kw = dict(features_dim=p.features_dim) if p.kind == "cnn" else dict(hidden=tuple(p.hidden), activation=p.activation)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.run.seed)
@@ -39,6 +42,21 @@ def make_policy(cfg, obs_space, action_space) -> ActorCritic | SquashedGaussianA
                 if isinstance(m, (nn.Linear, nn.Conv2d)):
                     m.reset_parameters()
     return policy
+
+
+def _make_vla(cfg, obs_space, action_space) -> GaussianVLA | TokenVLA:
+    """policy.kind=vla on ManiSkill3's packed pixel observations (`pixel_layout(env.image_size)`)."""
+    from m2flow.embodied.envs.maniskill import VOCAB, pixel_layout
+
+    layout, v = pixel_layout(cfg.env.image_size), cfg.vla
+    if tuple(obs_space.shape) != (layout.nbytes,) or obs_space.dtype != np.uint8:
+        raise ValueError(f"policy.kind=vla reads packed pixel rows [{layout.nbytes}] uint8 (env.pixels=true, "
+                         f"env.image_size={cfg.env.image_size}), got {obs_space}")
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.run.seed)
+        return build_vla(layout, action_space, len(VOCAB), v.head, chunk=cfg.env.chunk,
+                         log_std_init=cfg.policy.log_std_init, bins=v.bins, dim=v.dim, layers=v.layers,
+                         heads=v.heads, patch=v.patch)
 
 
 @torch.no_grad()
@@ -53,6 +71,8 @@ def sample_actions(policy: ActorCritic, obs: torch.Tensor, noise_seed: int | Non
         return policy.act(obs, deterministic=True)
     if isinstance(policy, SquashedGaussianActor):
         return _sample_sac(policy, obs, noise_seed, lo, total)
+    if isinstance(policy, TokenVLA):  # its own decoder, with the same per-env noise
+        return policy.sample(obs, noise_seed, lo, total)
     actor_feat, critic_feat = policy.features(obs)
     out = policy.head(actor_feat)  # means or logits, in closed form below: a third of a distribution's ops
     gen = torch.Generator().manual_seed(noise_seed)

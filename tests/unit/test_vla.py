@@ -1,0 +1,165 @@
+"""The pixel path below the flow: packed observations (fields as views of one uint8 row), the tiny VLA's two heads
+(the token head's log-probabilities against a hand computation, its decoding against a greedy loop without the
+key-value cache, bins and actions), the policy worker's sampler giving each env the same action in any stage split,
+and the config's checks of policy.kind=vla."""
+
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+
+from m2flow import config as C
+from m2flow.embodied.config import EmbodiedConfig
+from m2flow.embodied.envs.maniskill import INSTRUCTION_TOKENS, STATE_DIM, VOCAB, pixel_layout, tokenize
+from m2flow.embodied.envs.packed import Field, PackedLayout
+from m2flow.embodied.vla import GaussianVLA, TokenVLA
+from m2flow.embodied.workers.policy import make_policy, sample_actions
+
+BOX = spaces.Box(-1.0, 1.0, (4,), np.float32)
+SIZE = 32  # frames of 32 x 32: 4 patches of 16
+
+
+def rows(n: int, seed: int = 0) -> np.ndarray:
+    """n packed pixel observations: random frames and states, the three tasks' instructions in turn."""
+    rng = np.random.default_rng(seed)
+    layout = pixel_layout(SIZE)
+    texts = ["pick up the cube and move it to the goal", "push the cube to the goal region",
+             "stack the red cube on top of the green cube"]
+    return np.stack([layout.pack(state=rng.normal(size=STATE_DIM).astype(np.float32),
+                                 instruction=tokenize(texts[i % 3]).astype(np.int32),
+                                 rgb=rng.integers(0, 256, (3, SIZE, SIZE), dtype=np.uint8)) for i in range(n)])
+
+
+def tiny(head: str, chunk: int = 1, seed: int = 0):
+    torch.manual_seed(seed)
+    kw = dict(chunk=chunk, dim=16, layers=1, heads=2, patch=16)
+    if head == "tokens":
+        return TokenVLA(pixel_layout(SIZE), BOX, len(VOCAB), bins=8, **kw)
+    return GaussianVLA(pixel_layout(SIZE), BOX, len(VOCAB), **kw)
+
+
+def test_a_packed_row_holds_its_fields_and_unpacks_to_views_of_it():
+    layout = PackedLayout([Field("state", "float32", (3,)), Field("ids", "int32", (2,)),
+                           Field("rgb", "uint8", (3, 5, 5))])
+    assert layout.offsets == {"state": 0, "ids": 16, "rgb": 24} and layout.nbytes == 104  # 8-aligned, padded
+    a = layout.pack(state=np.array([1.5, -2.0, 3.25]), ids=np.array([7, 9]), rgb=np.full((3, 5, 5), 200))
+    b = layout.pack(state=np.zeros(3), ids=np.array([1, 2]), rgb=np.arange(75).reshape(3, 5, 5))
+    batch = torch.from_numpy(np.stack([a, b]))
+    out = layout.unpack(batch)
+    assert out["state"].dtype == torch.float32 and out["state"][0].tolist() == [1.5, -2.0, 3.25]
+    assert out["ids"].tolist() == [[7, 9], [1, 2]] and out["rgb"].shape == (2, 3, 5, 5)
+    assert out["rgb"][1].flatten().tolist() == list(range(75)) and out["rgb"].dtype == torch.uint8
+    batch[0, 0:4] = torch.from_numpy(np.array([4.0], np.float32).view(np.uint8))  # a view: no copy was made
+    assert out["state"][0, 0].item() == 4.0
+    assert layout.unpack(batch[1:])["ids"].tolist() == [[1, 2]]  # a slice of rows unpacks too
+    with pytest.raises(ValueError, match=r"field 'ids' of shape \(3,\), expected \(2,\)"):
+        layout.pack(state=np.zeros(3), ids=np.zeros(3), rgb=np.zeros((3, 5, 5)))
+    with pytest.raises(ValueError, match=r"packed rows \[B, 104\] uint8 expected"):
+        layout.unpack(torch.zeros(2, 100, dtype=torch.uint8))
+
+
+def test_the_pixel_layout_carries_state_instruction_and_frame():
+    layout = pixel_layout(64)
+    assert [(f.name, f.shape) for f in layout.fields.values()] == [
+        ("state", (STATE_DIM,)), ("instruction", (INSTRUCTION_TOKENS,)), ("rgb", (3, 64, 64))]
+    assert layout.space().shape == (layout.nbytes,) and layout.space().dtype == np.uint8
+
+
+def test_action_tokens_are_bins_over_the_bounds_and_a_bin_centre_maps_back_to_its_bin():
+    policy = tiny("tokens", chunk=2)
+    index = torch.tensor([[0, 7, 3, 4, 1, 6, 2, 5]])
+    actions = policy.to_actions(index)
+    assert actions.shape == (1, 2, 4)
+    assert actions[0, 0].tolist() == pytest.approx([-0.875, 0.875, -0.125, 0.125])  # centres of 8 bins on [-1, 1]
+    assert torch.equal(policy.to_index(actions), index)
+    assert policy.to_index(torch.tensor([[[-1.0, 1.0, -0.99, 0.26]] * 2])).tolist() == [[0, 7, 0, 5] * 2]
+
+
+def test_the_token_heads_logprobs_are_the_sum_of_its_tokens_computed_by_hand():
+    """Decoding with the key-value cache and the teacher-forced `evaluate` both give, for the chosen tokens, the sum
+    of log_softmax(LM head) at each token given the prefix and the tokens before it, run here without a cache."""
+    policy = tiny("tokens", chunk=2).eval()
+    obs = torch.from_numpy(rows(3))
+    gumbel = -torch.log(-torch.log(torch.rand(3, policy.n_tokens, policy.bins, generator=torch.Generator()
+                                              .manual_seed(1))))
+    with torch.no_grad():
+        index, logprob, value = policy.decode(obs, gumbel)
+        embeds, mask = policy.encoder.prefix(obs)
+        want = torch.zeros(3)
+        for j in range(policy.n_tokens):  # by hand: the whole sequence so far, one full pass per token
+            fed = policy.encoder.lm.embed_tokens(index[:, :j])
+            h = policy.encoder.lm(inputs_embeds=torch.cat([embeds, fed], 1),
+                                  attention_mask=torch.cat([mask, torch.ones(3, j, dtype=mask.dtype)], 1)
+                                  ).last_hidden_state[:, -1]
+            log_p = torch.log_softmax(policy.lm_head(h), -1)
+            assert torch.equal(index[:, j], (log_p + gumbel[:, j]).argmax(-1))  # the sample the noise picks
+            want += log_p[torch.arange(3), index[:, j]]
+        got, entropy, values = policy.evaluate(obs, policy.to_actions(index))
+    assert index.shape == (3, 8) and logprob.shape == (3,)
+    torch.testing.assert_close(logprob, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(values, value, rtol=1e-5, atol=1e-5)
+    assert (entropy > 0).all() and (entropy <= 8 * np.log(8) + 1e-4).all()
+    assert not torch.equal(index[0], index[1])  # the noise and the observations differ per env
+
+
+def test_deterministic_token_decoding_takes_the_likeliest_token_each_time():
+    policy = tiny("tokens").eval()
+    obs = torch.from_numpy(rows(2, seed=3))
+    with torch.no_grad():
+        actions, logprob, _ = policy.act(obs, deterministic=True)
+        logits, _ = policy.token_logits(obs, policy.to_index(actions))
+    assert torch.equal(logits.argmax(-1), policy.to_index(actions))
+    torch.testing.assert_close(torch.log_softmax(logits, -1).max(-1).values.sum(-1), logprob, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head", ["gaussian", "tokens"])
+def test_the_samplers_actions_per_env_do_not_depend_on_the_stage_split(head):
+    """sample_actions with the envs cut into stages (lo/total) gives each env the whole batch's action: the noise is
+    drawn for all envs and sliced, as for every other policy."""
+    policy = tiny(head, chunk=2).eval()
+    obs = torch.from_numpy(rows(6))
+    whole = sample_actions(policy, obs, 123, 0, 6)
+    parts = [sample_actions(policy, obs[:2], 123, 0, 6), sample_actions(policy, obs[2:], 123, 2, 6)]
+    for k in range(3):
+        torch.testing.assert_close(whole[k], torch.cat([p[k] for p in parts]), rtol=1e-5, atol=1e-5)
+    assert whole[0].shape == (6, 2, 4)
+    assert not torch.allclose(whole[0], sample_actions(policy, obs, 124, 0, 6)[0])
+
+
+def test_the_gaussian_vlas_gradient_reaches_the_frame_the_words_and_the_state():
+    policy = tiny("gaussian")
+    obs = torch.from_numpy(rows(4))
+    actions, _, _ = policy.act(obs)
+    logprob, entropy, value = policy.evaluate(obs, actions.detach())
+    (logprob.sum() + value.sum()).backward()
+    enc = policy.encoder
+    for name, p in (("vision", enc.vision[0].weight), ("words", enc.words.weight), ("state", enc.state.weight)):
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    other = torch.from_numpy(rows(4, seed=9))
+    with torch.no_grad():
+        assert not torch.allclose(policy.act(obs, True)[0], policy.act(other, True)[0])  # it reads its inputs
+
+
+def test_make_policy_builds_the_vla_of_the_config():
+    cfg = C.load(EmbodiedConfig, "ppo_pickcube", ["policy.kind=vla", "env.pixels=true", f"env.image_size={SIZE * 2}",
+                                                   "vla.head=tokens", "vla.bins=16", "vla.dim=32"])
+    policy = make_policy(cfg, pixel_layout(SIZE * 2).space(), BOX)
+    assert isinstance(policy, TokenVLA) and policy.bins == 16 and policy.encoder.patches == 16
+    with pytest.raises(ValueError, match=r"packed pixel rows \[\d+\] uint8"):
+        make_policy(cfg, spaces.Box(-1, 1, (42,), np.float32), BOX)
+    with pytest.raises(ValueError, match="init_std_scale scales a Gaussian"):
+        policy.scale_std(0.5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["policy.kind=vla"], r"policy.kind=vla reads ManiSkill3's pixel observations: it needs env.pixels=true"),
+    (["env.pixels=true"], r"env.pixels=true on ManiSkill3 gives the frame .* \(got policy.kind=mlp\)"),
+    (["env.pixels=true", "policy.kind=vla", "env.norm_obs=true"], r"takes env.norm_obs=false and env.instruct=false"),
+    (["env.pixels=true", "policy.kind=vla", "env.image_size=72"], r"env.image_size=72 must be a multiple of vla.patch"),
+    (["env.pixels=true", "policy.kind=vla", "vla.head=beam"], r"vla.head must be gaussian \| tokens, got 'beam'"),
+    (["env.pixels=true", "policy.kind=vla", "vla.dim=30"], r"vla.dim=30 must be a multiple of vla.heads=4"),
+])
+def test_vla_configs_that_cannot_run_fail_with_one_line(overrides, message):
+    with pytest.raises(C.ConfigError, match=message):
+        C.load(EmbodiedConfig, "ppo_pickcube", overrides)
