@@ -176,8 +176,7 @@ class TokenVLA(nn.Module):
     # -- the policy interface -------------------------------------------------------------------------------------------
     def act(self, obs: torch.Tensor, deterministic: bool = False):
         """obs [B, nbytes] -> (actions [B, (k,) *act], logprob [B], value [B]); deterministic: the likeliest tokens."""
-        gumbel = None if deterministic else -torch.log(-torch.log(
-            torch.rand(len(obs), self.n_tokens, self.bins).clamp_(1e-12, 1 - 1e-7)))
+        gumbel = None if deterministic else _gumbel(torch.rand(len(obs), self.n_tokens, self.bins))
         index, logprob, value = self.decode(obs, gumbel)
         return self.to_actions(index), logprob, value
 
@@ -185,8 +184,7 @@ class TokenVLA(nn.Module):
         """The policy worker's sampler: Gumbel noise drawn for all `total` envs from `noise_seed` and sliced, so env
         i gets the same noise whatever stage or worker it is in."""
         u = torch.rand((total, self.n_tokens, self.bins), generator=torch.Generator().manual_seed(noise_seed))
-        gumbel = -torch.log(-torch.log(u[lo:lo + len(obs)].clamp_(1e-12, 1 - 1e-7)))
-        index, logprob, value = self.decode(obs, gumbel)
+        index, logprob, value = self.decode(obs, _gumbel(u[lo:lo + len(obs)]))
         return self.to_actions(index), logprob, value
 
     def evaluate(self, obs: torch.Tensor, actions: torch.Tensor):
@@ -206,6 +204,11 @@ class TokenVLA(nn.Module):
     def scale_std(self, factor: float) -> None:
         raise ValueError("policy.init_std_scale scales a Gaussian's std; vla.head=tokens samples action tokens "
                          "(leave it at 1)")
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise from uniforms u (clamped off 0 and 1, as the policy worker's categorical sampler does)."""
+    return -torch.log(-torch.log(u.clamp(1e-12, 1 - 1e-7)))
 
 
 def build_vla(layout: PackedLayout, action_space: spaces.Space, vocab: int, head: str = "gaussian", **kw):
