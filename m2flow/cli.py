@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                                                           "(the task camera's frames, the proprioception, the "
                                                           "instruction) instead of the state")
     dm.add_argument("--image-size", type=int, default=64, help="--pixels: the frames' side (env.image_size)")
+    dm.add_argument("--render-triangles", type=int, default=1000,
+                    help="--pixels: visual triangles per body (env.render_triangles; 0: the meshes as shipped)")
 
     pr = sub.add_parser("profile", help="time each component of a flow (reasoning or embodied) alone at several batch sizes")
     pr.add_argument("config", help="YAML file or preset name in configs/")
@@ -234,6 +236,8 @@ def cmd_demos(args) -> int:
                         f"not {args.task}'s")
     if args.pixels and not 36 <= args.image_size <= 2048:
         raise UserError(f"demos: --image-size must be in [36, 2048] (env.image_size's range), got {args.image_size}")
+    if args.render_triangles < 0:
+        raise UserError(f"demos: --render-triangles must be >= 0 (env.render_triangles), got {args.render_triangles}")
     try:
         if args.task in experts.EXPERTS:
             maniskill.check_available()
@@ -244,7 +248,7 @@ def cmd_demos(args) -> int:
         task = bar.add_task(f"{args.task} expert", total=args.episodes, info="")
         summary = experts.write_demos(args.task, args.episodes, out, seed=args.seed,
                                       progress=lambda done: bar.update(task, completed=done), pixels=args.pixels,
-                                      image_size=args.image_size)
+                                      image_size=args.image_size, render_triangles=args.render_triangles)
     episodes = summary["episodes"]
     print(f"{len(episodes)} episodes of {args.task}: {summary['success_rate']:.0%} successful, "
           f"{sum(e['length'] for e in episodes)} steps; dataset: {out}")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from .envs.maniskill import RENDER_TRIANGLES
 from .policies import ActorCritic
 
 
@@ -48,10 +49,11 @@ def bc_dataset(arrays: dict[str, np.ndarray], summary: dict, chunk: int = 1, gam
             "episodes": torch.tensor(len(keep))}
 
 
-def _datasets(demos: str, env_id: str, instruct: bool, pixels: bool = False, image_size: int = 64):
+def _datasets(demos: str, env_id: str, instruct: bool, pixels: bool = False, image_size: int = 64,
+              render_triangles: int = RENDER_TRIANGLES):
     """(summary, arrays) of each demonstration directory in `demos` (comma-separated), checked against the config's
-    `env_id` and observations (`pixels` at `image_size`), the observations as the policy sees them (`instruct`: the
-    instruction's words, then the state padded)."""
+    `env_id` and observations (`pixels` at `image_size`, rendered with `render_triangles`), the observations as the
+    policy sees them (`instruct`: the instruction's words, then the state padded)."""
     from .envs import maniskill
     from .envs.experts import load_demos
 
@@ -61,11 +63,19 @@ def _datasets(demos: str, env_id: str, instruct: bool, pixels: bool = False, ima
         if summary["task"] not in tasks:
             raise ValueError(f"{where}: demonstrations of {summary['task']}, but the config's env.id is {env_id}")
         theirs = (bool(summary.get("pixels")), summary.get("image_size") if summary.get("pixels") else None)
+        flags = f" --pixels --image-size {image_size}" if pixels else ""
+        if pixels and render_triangles != RENDER_TRIANGLES:
+            flags += f" --render-triangles {render_triangles}"
         if theirs != (pixels, image_size if pixels else None):
             seen = f"pixels at {theirs[1]}x{theirs[1]}" if theirs[0] else "state observations"
             raise ValueError(f"{where}: demonstrations of {seen}, but the config observes "
                              f"{f'pixels at {image_size}x{image_size}' if pixels else 'states'} (record them with "
-                             f"`m2flow demos {summary['task']}{f' --pixels --image-size {image_size}' if pixels else ''}`)")
+                             f"`m2flow demos {summary['task']}{flags}`)")
+        # datasets from before env.render_triangles rendered the meshes as shipped (0)
+        if pixels and summary.get("render_triangles", 0) != render_triangles:
+            raise ValueError(f"{where}: demonstrations rendered with render_triangles={summary.get('render_triangles', 0)}"
+                             f", but the config's env.render_triangles is {render_triangles} (the frames would differ; "
+                             f"record them with `m2flow demos {summary['task']}{flags}`)")
         if instruct:
             arrays["obs"] = maniskill.instruction_obs(maniskill.tokenize(summary["instruction"]).astype(np.float32),
                                                       arrays["obs"])
@@ -73,12 +83,15 @@ def _datasets(demos: str, env_id: str, instruct: bool, pixels: bool = False, ima
 
 
 def demo_data(demos: str, env_id: str, instruct: bool = False, chunk: int = 1, gamma: float = 0.99,
-              episodes: int | None = None, pixels: bool = False, image_size: int = 64) -> dict[str, torch.Tensor]:
+              episodes: int | None = None, pixels: bool = False, image_size: int = 64,
+              render_triangles: int = RENDER_TRIANGLES) -> dict[str, torch.Tensor]:
     """`bc_dataset` of the demonstration directories `demos` (`m2flow demos`; comma-separated, one per task of a
     multi-task `env_id`), concatenated, their observations as the policy sees them (`instruct`: the instruction's
-    words, then the state padded; `pixels`: packed pixel rows at `image_size`, which the dataset must hold)."""
+    words, then the state padded; `pixels`: packed pixel rows at `image_size` rendered with `render_triangles`, which
+    the dataset must hold)."""
     parts = [bc_dataset(arrays, summary, chunk=chunk, gamma=gamma, episodes=episodes)
-             for summary, arrays in _datasets(demos, env_id, instruct, pixels, image_size)]
+             for summary, arrays in _datasets(demos, env_id, instruct, pixels, image_size,
+                                                       render_triangles)]
     return {k: torch.cat([p[k] for p in parts]) if k != "episodes" else sum(p[k] for p in parts) for k in parts[0]}
 
 

@@ -29,7 +29,8 @@ def behaviour_clone(cfg: EmbodiedConfig, demos: str | Path, out: str | Path, ste
         raise ValueError("behaviour cloning with env.norm_obs=true is not supported yet (the RL run would normalize "
                          "observations the cloned policy never saw normalized); set env.norm_obs=false")
     data = demo_data(str(demos), cfg.env.id, cfg.env.instruct, cfg.env.chunk, cfg.algorithm.gamma, episodes,
-                     pixels=cfg.env.pixels, image_size=cfg.env.image_size)
+                     pixels=cfg.env.pixels, image_size=cfg.env.image_size,
+                     render_triangles=cfg.env.render_triangles)
     group = make_env_group(cfg, 1, cfg.run.seed)
     policy = make_policy(cfg, group.observation_space, group.action_space)
     group.close()

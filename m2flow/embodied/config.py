@@ -57,6 +57,10 @@ class EnvConfig:
                               "the instruction beside it (with policy.kind=vla)")
     image_size: int = opt(64, "side of the pixel observations (36 at least: the CNN encoder's three convolutions "
                               "leave nothing of a smaller frame)", within="[36, 2048]")
+    render_triangles: int = opt(1000, "ManiSkill3 pixels: the visual meshes keep about this many triangles per body "
+                                "(the robot's links; quadric decimation, untextured meshes only), as small frames "
+                                "need; the software renderer's time per frame is in the triangles (0: as shipped)",
+                                within="[0, inf)")
     max_episode_steps: int | None = opt(None, "override the env's time limit (None: the registered one)",
                                         within="[1, inf)")
     instruct: bool = opt(False, "ManiSkill3: observations carry the task's instruction (word ids, then the state "

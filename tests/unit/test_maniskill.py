@@ -125,6 +125,47 @@ def test_pixel_observations_are_the_task_cameras_frame_with_the_proprioception_a
     g.close()
 
 
+def visual_triangles(env, prefix: str = "") -> dict[str, int]:
+    """Triangles of each render body's meshes in the env's scene whose entity name starts with `prefix`."""
+    import sapien
+
+    out = {}
+    for entity in env.unwrapped.scene.sub_scenes[0].entities:
+        for c in entity.components:
+            if isinstance(c, sapien.render.RenderBodyComponent) and entity.name.startswith(prefix):
+                out[entity.name] = sum(len(p.get_triangles()) for s in c.render_shapes
+                                       if isinstance(s, sapien.render.RenderShapeTriangleMesh) for p in s.parts)
+    return out
+
+
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
+def test_pixel_frames_render_the_robot_with_simplified_meshes_and_the_same_physics():
+    """env.render_triangles: the Panda's visual meshes (about 135,000 triangles as shipped) keep about 1,000 per link
+    for pixel observations, also after a reset that rebuilds the scene; the frame differs from the shipped meshes'
+    in a few pixels only, and the physics, hence the state, is the same step for step."""
+    import torch
+
+    layout = maniskill.pixel_layout(64)
+    shipped = maniskill.make("PickCube-v1", pixels=True, image_size=64, render_triangles=0)
+    simple = maniskill.make("PickCube-v1", pixels=True, image_size=64)
+    assert sum(visual_triangles(shipped, "panda").values()) > 100_000
+    links = visual_triangles(simple, "panda")
+    assert len(links) >= 10 and max(links.values()) <= 1_100 and sum(links.values()) < 12_000
+    assert visual_triangles(simple)["scene-0_ground"] == visual_triangles(shipped)["scene-0_ground"]  # textured: kept
+    rows = [[env.reset(seed=3)[0]] for env in (shipped, simple)]
+    action = np.array([0.5, -0.3, 0.8, 1.0], np.float32)
+    for _ in range(4):
+        for env, out in zip((shipped, simple), rows):
+            out.append(env.step(action)[0])
+    a, b = (layout.unpack(torch.from_numpy(np.stack(r))) for r in rows)
+    torch.testing.assert_close(a["state"], b["state"])  # collision shapes and physics untouched
+    diff = (a["rgb"].int() - b["rgb"].int()).abs()
+    assert a["rgb"].float().std() > 10 and diff.float().mean() < 2.0 and (diff.amax(1) > 40).float().mean() < 0.02
+    simple.reset(seed=3, options=dict(reconfigure=True))  # a rebuilt scene is simplified again
+    assert max(visual_triangles(simple, "panda").values()) <= 1_100
+    shipped.close(), simple.close()
+
+
 @pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
 def test_m2flow_demos_writes_a_dataset_with_seeds_and_success(tmp_path):
     out = tmp_path / "push"
@@ -172,6 +213,11 @@ def test_pixel_demonstrations_hold_the_frames_and_the_state_datasets_actions(tmp
                                          r"64x64 \(record them with `m2flow demos PickCube-v1 --pixels --image-size "
                                          r"64`\)"):
         demo_data(str(tmp_path / "state"), "PickCube-v1", pixels=True, image_size=64)
+    assert summary["render_triangles"] == maniskill.RENDER_TRIANGLES  # the frames were rendered as env.pixels renders
+    with pytest.raises(ValueError, match=r"demonstrations rendered with render_triangles=1000, but the config's "
+                                         r"env.render_triangles is 0 .*`m2flow demos PickCube-v1 --pixels --image-size "
+                                         r"48 --render-triangles 0`"):
+        demo_data(str(tmp_path / "px"), "PickCube-v1", pixels=True, image_size=48, render_triangles=0)
 
 
 def test_a_wrong_task_name_lists_the_tasks():

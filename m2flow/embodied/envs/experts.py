@@ -12,8 +12,8 @@ and its demos are in joint-position control, to be converted by replaying them.
 
 A dataset is a directory: `demos.npz` (obs [T, D] float32, or with `pixels` the packed pixel rows [T, nbytes] uint8
 of `maniskill.pixel_layout`; actions [T, 4] float32, rewards [T] float32, episode [T] int32: each row's episode number)
-and `demos.json` (task, instruction, control mode, the observations' kind (`pixels`, `image_size`), and per episode
-its reset seed, length, success and return). The expert reads the simulator either way, so a pixel dataset's actions
+and `demos.json` (task, instruction, control mode, the observations' kind (`pixels`, `image_size`,
+`render_triangles`), and per episode its reset seed, length, success and return). The expert reads the simulator either way, so a pixel dataset's actions
 are the state dataset's for the same seeds.
 """
 
@@ -132,12 +132,13 @@ def check_task(env_id: str) -> None:
                          f"Meta-World task (e.g. metaworld/reach-v3)")
 
 
-def _make(env_id: str, max_episode_steps: int | None = None, pixels: bool = False, image_size: int = 64) -> gym.Env:
+def _make(env_id: str, max_episode_steps: int | None = None, pixels: bool = False, image_size: int = 64,
+          render_triangles: int = maniskill.RENDER_TRIANGLES) -> gym.Env:
     if metaworld.is_metaworld(env_id):
         if pixels:
             raise ValueError(f"{env_id}: pixel demonstrations are recorded for the ManiSkill3 tasks only")
         return metaworld.make(env_id, max_episode_steps=max_episode_steps or metaworld.MAX_EPISODE_STEPS)
-    extra = dict(pixels=True, image_size=image_size) if pixels else {}
+    extra = dict(pixels=True, image_size=image_size, render_triangles=render_triangles) if pixels else {}
     return maniskill.make(env_id, max_episode_steps=max_episode_steps or maniskill.MAX_EPISODE_STEPS, **extra)
 
 
@@ -173,13 +174,13 @@ def run_expert(env_id: str, seed: int, env: gym.Env | None = None, max_episode_s
 
 
 def write_demos(env_id: str, episodes: int, out: str | Path, seed: int = 0, progress=None, pixels: bool = False,
-                image_size: int = 64) -> dict:
+                image_size: int = 64, render_triangles: int = maniskill.RENDER_TRIANGLES) -> dict:
     """Run the expert from reset seeds seed, seed + 1, ... and write the dataset (module docstring) to `out`;
     `pixels`: the observations are the task camera's frames at `image_size` with the proprioception and the
-    instruction (what env.pixels=true shows a policy). `progress(i)` is called after each episode. Returns the JSON
+    instruction (what env.pixels=true shows a policy), the meshes at `render_triangles` (env.render_triangles). `progress(i)` is called after each episode. Returns the JSON
     summary."""
     check_task(env_id)
-    env = _make(env_id, pixels=pixels, image_size=image_size)
+    env = _make(env_id, pixels=pixels, image_size=image_size, render_triangles=render_triangles)
     runs = []
     for i in range(episodes):
         runs.append(run_expert(env_id, seed + i, env))
@@ -196,7 +197,8 @@ def write_demos(env_id: str, episodes: int, out: str | Path, seed: int = 0, prog
     summary = {"task": env_id, "instruction": "" if mw else maniskill.instruction(env_id),
                "control_mode": metaworld.CONTROL_MODE if mw else maniskill.CONTROL_MODE,
                "max_episode_steps": (metaworld if mw else maniskill).MAX_EPISODE_STEPS,
-               "pixels": pixels, **({"image_size": image_size} if pixels else {}),
+               "pixels": pixels,
+               **({"image_size": image_size, "render_triangles": render_triangles} if pixels else {}),
                "expert": type(metaworld.expert(env_id)).__name__ if mw else EXPERTS[env_id].__name__,
                "success_rate": float(np.mean([r["success"] for r in runs])),
                "episodes": [{"seed": r["seed"], "length": r["length"], "success": r["success"],

@@ -102,19 +102,21 @@ def make_env_fns(
     pixels: bool = False,
     render_mode: str | None = None,
     image_size: int = 64,
+    render_triangles: int = maniskill.RENDER_TRIANGLES,
     **kwargs,
 ) -> list[Callable[[], gym.Env]]:
     """One constructor per env: `gym.make(env_id, render_mode, **kwargs)` (kwargs e.g. max_episode_steps=...).
 
     Env i's action space is seeded with seed + i (reproducible random actions); reset seeds are given by the caller
     (`EnvGroup.reset`, or `vec.reset(seed=seed)` which seeds env i with seed + i). `pixels=True` wraps each env
-    in `PixelObservation(image_size)`; MuJoCo envs then render at that size directly, headless through EGL.
+    in `PixelObservation(image_size)`; MuJoCo envs then render at that size directly, headless through EGL; ManiSkill3's
+    scenes keep `render_triangles` visual triangles per body (maniskill.SimplifiedVisuals).
     """
     check_env_id(env_id)
     if maniskill.is_maniskill(env_id):  # SAPIEN, not a gym.make of the registry's defaults
         tasks = maniskill.task_ids(env_id)
         if pixels:  # the task camera's frames, packed with the proprioception and the instruction
-            kwargs = {**kwargs, "pixels": True, "image_size": image_size}
+            kwargs = {**kwargs, "pixels": True, "image_size": image_size, "render_triangles": render_triangles}
             kwargs.pop("instruct", None)  # a pixel observation carries the instruction always
         if len(tasks) > 1 and not kwargs.get("instruct") and not pixels:
             raise ValueError(f"{env_id}: several tasks in one env group need instruction observations (env.instruct="

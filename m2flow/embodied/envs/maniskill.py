@@ -12,6 +12,7 @@ own Mesa 22 lacks an extension SAPIEN needs).
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import gymnasium as gym
 import numpy as np
@@ -31,6 +32,7 @@ MAX_EPISODE_STEPS = 100
 # instruction-conditioned observations (`instruct=True`): [instruction word ids; state zero-padded to STATE_DIM]
 VOCAB = ["<pad>", "<unk>", *sorted({w for text in TASKS.values() for w in text.split()})]
 INSTRUCTION_TOKENS = 12
+RENDER_TRIANGLES = 1000  # pixel observations: visual triangles per body the scene keeps (SimplifiedVisuals)
 STATE_DIM = 48  # the largest of the tasks' states (StackCube's); the others are zero-padded to it
 EXTRA_HINT = "pip install 'm2flow[maniskill]' (make test installs it)"
 VULKAN_ERROR = ("ManiSkill3 needs a Vulkan device and found none (SAPIEN: 'failed to find a rendering device'); on "
@@ -126,6 +128,87 @@ class SeededResets(gym.Wrapper):
         return self.env.reset(seed=seed, options=options)
 
 
+class SimplifiedVisuals(gym.Wrapper):
+    """The scene's untextured visual meshes simplified to about `max_triangles` triangles per body (each link of the
+    robot), by quadric decimation (fast-simplification, through trimesh), whenever the env builds its scene. The
+    Panda ships with about 135,000 visual triangles, which a small frame cannot show, and a software renderer
+    (llvmpipe) processes every one of them for every frame: almost all of a frame's time. Only what the camera sees
+    changes: collision shapes, physics and the state stay as they are. Textured parts (the ground) and primitives are
+    left alone: decimation keeps no texture coordinates."""
+
+    def __init__(self, env: gym.Env, max_triangles: int):
+        super().__init__(env)
+        self.max_triangles, self._scene = max_triangles, None
+        self._simplify()  # ManiSkill builds its scene in its constructor
+
+    def reset(self, **kwargs):
+        out = self.env.reset(**kwargs)
+        self._simplify()  # a reset that rebuilt the scene (reconfigure) brings the shipped meshes back
+        return out
+
+    def _simplify(self) -> None:
+        scene = self.env.unwrapped.scene
+        if scene is not self._scene:
+            for sub in scene.sub_scenes:
+                simplify_visuals(sub, self.max_triangles)
+            self._scene = scene
+
+
+def simplify_visuals(scene, max_triangles: int) -> int:
+    """Replace each render body of `scene` whose untextured triangle meshes hold more than `max_triangles` triangles
+    with one whose meshes share that budget in proportion to their sizes; returns the triangles left in the scene."""
+    import sapien
+
+    left = 0
+    for entity in scene.entities:
+        for body in [c for c in entity.components if isinstance(c, sapien.render.RenderBodyComponent)]:
+            meshes = [s for s in body.render_shapes if isinstance(s, sapien.render.RenderShapeTriangleMesh)
+                      and all(p.material.base_color_texture is None for p in s.parts)]
+            total = sum(len(p.get_triangles()) for s in meshes for p in s.parts)
+            if total <= max_triangles:
+                left += total
+                continue
+            new = sapien.render.RenderBodyComponent()
+            new.name = body.name
+            for shape in body.render_shapes:
+                if shape not in meshes:
+                    new.attach(shape)
+                    continue
+                for part in shape.parts:
+                    target = max(16, len(part.get_triangles()) * max_triangles // total)
+                    vertices, faces, normals = _decimated(part.get_vertices(), part.get_triangles(), target)
+                    mesh = sapien.render.RenderShapeTriangleMesh(vertices, faces, normals,
+                                                                 np.zeros((len(vertices), 2), np.float32), part.material)
+                    mesh.local_pose, mesh.scale, mesh.front_face = shape.local_pose, shape.scale, shape.front_face
+                    new.attach(mesh)
+                    left += len(faces)
+            entity.remove_component(body)
+            entity.add_component(new)
+    return left
+
+
+def _decimated(vertices: np.ndarray, faces: np.ndarray, target: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(vertices, faces, vertex normals) of the mesh decimated to about `target` faces, its duplicate vertices merged
+    first (meshes split at their seams would tear open); memoized, as every env of a process loads the same robot."""
+    key = hashlib.sha1(vertices.tobytes() + faces.tobytes()).hexdigest()
+    return _decimate(key, target, vertices, faces)
+
+
+_DECIMATED: dict[tuple[str, int], tuple] = {}
+
+
+def _decimate(key: str, target: int, vertices: np.ndarray, faces: np.ndarray) -> tuple:
+    if (key, target) not in _DECIMATED:
+        import trimesh
+
+        mesh = trimesh.Trimesh(vertices, faces, process=True)
+        if len(mesh.faces) > target:
+            mesh = mesh.simplify_quadric_decimation(face_count=target)
+        _DECIMATED[key, target] = (np.asarray(mesh.vertices, np.float32), np.asarray(mesh.faces, np.uint32),
+                                   np.asarray(mesh.vertex_normals, np.float32))
+    return _DECIMATED[key, target]
+
+
 def registered_by_it(spec) -> bool:
     """Whether a gymnasium registry entry is one of ManiSkill's (it registers all its tasks once imported)."""
     entry = spec.entry_point
@@ -159,13 +242,14 @@ def check_available() -> None:
 
 def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = MAX_EPISODE_STEPS,
          instruct: bool = False, ignore_terminations: bool = False, pixels: bool = False, image_size: int = 64,
-         **kwargs) -> gym.Env:
+         render_triangles: int = RENDER_TRIANGLES, **kwargs) -> gym.Env:
     """One ManiSkill3 env on the CPU backend, as a standard gymnasium env: numpy arrays, no batch dimension
     (`CPUGymWrapper`). obs [D] float32 (42 for PickCube), actions [4] in [-1, 1]; `info["success"]` at every step.
     An episode terminates when the task succeeds and is truncated after `max_episode_steps`.
     `instruct`: observations carry the task's instruction (`InstructionObservation`). `pixels`: the task camera
     renders at image_size x image_size and the observation is its frame with the proprioception and the instruction
-    (`PixelObservation`; the instruction is always there). `ignore_terminations`: an episode runs to its step limit
+    (`PixelObservation`; the instruction is always there), with the visual meshes simplified to `render_triangles`
+    per body (`SimplifiedVisuals`; 0: as shipped). `ignore_terminations`: an episode runs to its step limit
     whatever happens (ManiSkill's own option; its PPO baseline trains so), and a dense reward keeps paying for staying
     at the goal, where ending on success would stop it."""
     text = instruction(env_id)
@@ -180,6 +264,8 @@ def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = M
         options["sensor_configs"] = dict(width=image_size, height=image_size)
     options.update(kwargs)
     env = gym.make(env_id, num_envs=1, render_mode=render_mode, max_episode_steps=max_episode_steps, **options)
+    if pixels and render_triangles:
+        env = SimplifiedVisuals(env, render_triangles)
     if pixels:  # ManiSkill's own flattening: {"rgb": the cameras' frames, "state": the rest}
         env = FlattenRGBDObservationWrapper(env, rgb=True, depth=False, state=True)
     env = SeededResets(CPUGymWrapper(env, ignore_terminations=ignore_terminations))

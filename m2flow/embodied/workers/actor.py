@@ -207,7 +207,8 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
         self.register_offloadable("optimizer", self.optimizer)
         a = cfg.actor
         self.demos = DemoTerm(demo_data(a.bc_demos, cfg.env.id, cfg.env.instruct, cfg.env.chunk,
-                                        pixels=cfg.env.pixels, image_size=cfg.env.image_size), a.minibatch_size,
+                                        pixels=cfg.env.pixels, image_size=cfg.env.image_size,
+                                        render_triangles=cfg.env.render_triangles), a.minibatch_size,
                               cfg.run.seed + 777 + self.rank) if a.bc_coef > 0 else None
 
     def train(self, inp, step: int, producers: int | None = None) -> dict:
