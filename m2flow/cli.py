@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                                           "(the task camera's frames, the proprioception, the "
                                                           "instruction) instead of the state")
     dm.add_argument("--image-size", type=int, default=64, help="--pixels: the frames' side (env.image_size)")
-    dm.add_argument("--render-triangles", type=int, default=1000,
+    dm.add_argument("--render-triangles", type=int, default=1000,  # maniskill.RENDER_TRIANGLES (a light CLI)
                     help="--pixels: visual triangles per body (env.render_triangles; 0: the meshes as shipped)")
 
     pr = sub.add_parser("profile", help="time each component of a flow (reasoning or embodied) alone at several batch sizes")

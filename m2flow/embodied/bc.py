@@ -72,10 +72,11 @@ def _datasets(demos: str, env_id: str, instruct: bool, pixels: bool = False, ima
                              f"{f'pixels at {image_size}x{image_size}' if pixels else 'states'} (record them with "
                              f"`m2flow demos {summary['task']}{flags}`)")
         # datasets from before env.render_triangles rendered the meshes as shipped (0)
-        if pixels and summary.get("render_triangles", 0) != render_triangles:
-            raise ValueError(f"{where}: demonstrations rendered with render_triangles={summary.get('render_triangles', 0)}"
-                             f", but the config's env.render_triangles is {render_triangles} (the frames would differ; "
-                             f"record them with `m2flow demos {summary['task']}{flags}`)")
+        recorded = summary.get("render_triangles", 0)
+        if pixels and recorded != render_triangles:
+            raise ValueError(f"{where}: demonstrations rendered with render_triangles={recorded}, but the config's "
+                             f"env.render_triangles is {render_triangles} (the frames would differ; record them "
+                             f"with `m2flow demos {summary['task']}{flags}`)")
         if instruct:
             arrays["obs"] = maniskill.instruction_obs(maniskill.tokenize(summary["instruction"]).astype(np.float32),
                                                       arrays["obs"])
@@ -90,8 +91,7 @@ def demo_data(demos: str, env_id: str, instruct: bool = False, chunk: int = 1, g
     words, then the state padded; `pixels`: packed pixel rows at `image_size` rendered with `render_triangles`, which
     the dataset must hold)."""
     parts = [bc_dataset(arrays, summary, chunk=chunk, gamma=gamma, episodes=episodes)
-             for summary, arrays in _datasets(demos, env_id, instruct, pixels, image_size,
-                                                       render_triangles)]
+             for summary, arrays in _datasets(demos, env_id, instruct, pixels, image_size, render_triangles)]
     return {k: torch.cat([p[k] for p in parts]) if k != "episodes" else sum(p[k] for p in parts) for k in parts[0]}
 
 

@@ -13,8 +13,8 @@ and its demos are in joint-position control, to be converted by replaying them.
 A dataset is a directory: `demos.npz` (obs [T, D] float32, or with `pixels` the packed pixel rows [T, nbytes] uint8
 of `maniskill.pixel_layout`; actions [T, 4] float32, rewards [T] float32, episode [T] int32: each row's episode number)
 and `demos.json` (task, instruction, control mode, the observations' kind (`pixels`, `image_size`,
-`render_triangles`), and per episode its reset seed, length, success and return). The expert reads the simulator either way, so a pixel dataset's actions
-are the state dataset's for the same seeds.
+`render_triangles`), and per episode its reset seed, length, success and return). The expert reads the simulator
+either way, so a pixel dataset's actions are the state dataset's for the same seeds.
 """
 
 from __future__ import annotations
@@ -177,8 +177,8 @@ def write_demos(env_id: str, episodes: int, out: str | Path, seed: int = 0, prog
                 image_size: int = 64, render_triangles: int = maniskill.RENDER_TRIANGLES) -> dict:
     """Run the expert from reset seeds seed, seed + 1, ... and write the dataset (module docstring) to `out`;
     `pixels`: the observations are the task camera's frames at `image_size` with the proprioception and the
-    instruction (what env.pixels=true shows a policy), the meshes at `render_triangles` (env.render_triangles). `progress(i)` is called after each episode. Returns the JSON
-    summary."""
+    instruction (what env.pixels=true shows a policy), the meshes at `render_triangles` (env.render_triangles).
+    `progress(i)` is called after each episode. Returns the JSON summary."""
     check_task(env_id)
     env = _make(env_id, pixels=pixels, image_size=image_size, render_triangles=render_triangles)
     runs = []

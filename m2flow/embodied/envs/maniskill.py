@@ -154,19 +154,17 @@ class SimplifiedVisuals(gym.Wrapper):
             self._scene = scene
 
 
-def simplify_visuals(scene, max_triangles: int) -> int:
+def simplify_visuals(scene, max_triangles: int) -> None:
     """Replace each render body of `scene` whose untextured triangle meshes hold more than `max_triangles` triangles
-    with one whose meshes share that budget in proportion to their sizes; returns the triangles left in the scene."""
+    with one whose meshes share that budget in proportion to their sizes."""
     import sapien
 
-    left = 0
     for entity in scene.entities:
         for body in [c for c in entity.components if isinstance(c, sapien.render.RenderBodyComponent)]:
             meshes = [s for s in body.render_shapes if isinstance(s, sapien.render.RenderShapeTriangleMesh)
                       and all(p.material.base_color_texture is None for p in s.parts)]
             total = sum(len(p.get_triangles()) for s in meshes for p in s.parts)
             if total <= max_triangles:
-                left += total
                 continue
             new = sapien.render.RenderBodyComponent()
             new.name = body.name
@@ -177,36 +175,30 @@ def simplify_visuals(scene, max_triangles: int) -> int:
                 for part in shape.parts:
                     target = max(16, len(part.get_triangles()) * max_triangles // total)
                     vertices, faces, normals = _decimated(part.get_vertices(), part.get_triangles(), target)
-                    mesh = sapien.render.RenderShapeTriangleMesh(vertices, faces, normals,
-                                                                 np.zeros((len(vertices), 2), np.float32), part.material)
+                    uvs = np.zeros((len(vertices), 2), np.float32)  # untextured: no texture coordinates
+                    mesh = sapien.render.RenderShapeTriangleMesh(vertices, faces, normals, uvs, part.material)
                     mesh.local_pose, mesh.scale, mesh.front_face = shape.local_pose, shape.scale, shape.front_face
                     new.attach(mesh)
-                    left += len(faces)
             entity.remove_component(body)
             entity.add_component(new)
-    return left
 
 
 def _decimated(vertices: np.ndarray, faces: np.ndarray, target: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(vertices, faces, vertex normals) of the mesh decimated to about `target` faces, its duplicate vertices merged
     first (meshes split at their seams would tear open); memoized, as every env of a process loads the same robot."""
-    key = hashlib.sha1(vertices.tobytes() + faces.tobytes()).hexdigest()
-    return _decimate(key, target, vertices, faces)
-
-
-_DECIMATED: dict[tuple[str, int], tuple] = {}
-
-
-def _decimate(key: str, target: int, vertices: np.ndarray, faces: np.ndarray) -> tuple:
-    if (key, target) not in _DECIMATED:
+    key = (hashlib.sha1(vertices.tobytes() + faces.tobytes()).hexdigest(), target)
+    if key not in _DECIMATED:
         import trimesh
 
         mesh = trimesh.Trimesh(vertices, faces, process=True)
         if len(mesh.faces) > target:
             mesh = mesh.simplify_quadric_decimation(face_count=target)
-        _DECIMATED[key, target] = (np.asarray(mesh.vertices, np.float32), np.asarray(mesh.faces, np.uint32),
-                                   np.asarray(mesh.vertex_normals, np.float32))
-    return _DECIMATED[key, target]
+        _DECIMATED[key] = (np.asarray(mesh.vertices, np.float32), np.asarray(mesh.faces, np.uint32),
+                           np.asarray(mesh.vertex_normals, np.float32))
+    return _DECIMATED[key]
+
+
+_DECIMATED: dict[tuple[str, int], tuple] = {}  # (mesh digest, target faces) -> _decimated's arrays
 
 
 def registered_by_it(spec) -> bool:
