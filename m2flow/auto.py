@@ -111,7 +111,8 @@ def auto_plan_embodied(cfg, cluster: Cluster, run_dir: str | Path) -> tuple[Auto
     result = embodied_plans(profile, cluster.num_devices, num_envs, staleness=cfg.sac.max_policy_lag if sac else 0,
                             one_learner=sac)
     _write_search(run_dir, path, result, f"{num_envs} envs x {cfg.steps_per_rollout} steps per iteration",
-                  "the embodied flow can run (one worker of each component per device, equal env stages"
+                  "the embodied flow can run (one worker of each component per device, or two env workers where "
+                  "measured, equal env stages"
                   + ("; the SAC learner one process over its devices)" if sac else ")"))
     best = result.best
     base = make_plan(best.spec, cluster.num_devices, list(EMBODIED), num_envs, best.micro_batch)
@@ -157,7 +158,7 @@ def _write_search(run_dir: Path, path: Path, result: SearchResult, work: str, ru
 
 def _row(c: Candidate) -> dict:
     return {"placement_spec": c.spec, "mode": c.mode, "micro_batch": c.micro_batch, "pipeline_stages": c.loop_stages,
-            "predicted_step_seconds": round(c.seconds, 6), "bottleneck": c.prediction.bottleneck}
+            **({"loop_ranks": c.loop_ranks} if c.loop_ranks > 1 else {}), "predicted_step_seconds": round(c.seconds, 6), "bottleneck": c.prediction.bottleneck}
 
 
 def measured_step_seconds(metrics: list[dict], key: str = "time/step") -> float:

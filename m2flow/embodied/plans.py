@@ -1,12 +1,12 @@
 """The plans the embodied flow can run on N devices: the search's env/rollout/actor layouts x env pipeline stages,
-kept where the flow can launch them (one worker of each component per device). Pure: it runs nothing.
+kept where the flow can launch them (one worker of each component per device, or two env workers per device
+where the profile measured them). Pure: it runs nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from m2flow.planner.cost import Layout
 from m2flow.planner.profile import Profile
 from m2flow.planner.search import Candidate, SearchResult, search
 
@@ -15,43 +15,30 @@ COMPONENTS = ("env", "rollout", "actor")  # the embodied flow's components, in d
 
 def runnable(c: Candidate, num_envs: int) -> bool:
     """The flow can launch it: no offload (the flow does not context-switch); every env worker gets the same number of
-    envs, split into equal stages; no policy worker without an env worker (env worker r asks policy r % R)."""
-    env, rollout = c.layout.devices("env"), c.layout.devices("rollout")
+    envs, split into equal stages; no policy worker without an env worker (env worker r asks policy r % R). Env
+    workers: one per device, or `loop_ranks` per device (`env: 0-1:0-3`)."""
+    env, rollout = c.layout.devices("env") * c.loop_ranks, c.layout.devices("rollout")
     per_worker = num_envs // env
     return (not c.offload and num_envs % env == 0 and per_worker % c.loop_stages == 0 and env % rollout == 0)
 
 
 class OneLearnerCandidate(Candidate):
     """A candidate placed as the off-policy flow runs it: the actor (SAC's learner, one rank) one process over its
-    devices (`actor: 0-1:0`), env and rollout one worker per device."""
+    devices (`actor: 0-1:0`), env and rollout as the search placed them."""
 
     @property
     def spec(self) -> str:
-        return one_rank_spec(self.layout, "actor")
-
-
-def one_rank_spec(layout: Layout, name: str) -> str:
-    """`layout`'s placement spec with component `name` one process over its devices, e.g. the collocated layout on 2
-    devices -> `env,rollout: 0-1; actor: 0-1:0`."""
-    groups = list(zip(layout.groups, layout.ranges()))
-    if layout.shared:
-        groups.append((layout.shared, (0, layout.num_devices - 1)))
-    parts = []
-    for group, (lo, hi) in groups:
-        devices = str(lo) if lo == hi else f"{lo}-{hi}"
-        if rest := [c for c in group if c != name]:
-            parts.append(f"{','.join(rest)}: {devices}")
-        if name in group:
-            parts.append(f"{name}: {devices}" + ("" if lo == hi else ":0"))
-    return "; ".join(parts)
+        """E.g. the collocated layout on 2 devices -> `env,rollout: 0-1; actor: 0-1:0`."""
+        return self.layout.spec({**self.ranks(), "actor": 1})
 
 
 def embodied_plans(profile: Profile, num_devices: int, num_envs: int | None = None, top: int = 1 << 30,
                    staleness: int = 0, one_learner: bool = False) -> SearchResult:
     """The plans the embodied flow can run on `num_devices` devices for `num_envs` envs (default: the profile's
-    batch), fastest predicted first (one row per layout and stage count), and the fastest collocated one. A
-    candidate's `spec` launches it: one worker per device for each component (env worker r asks policy worker r % R;
-    the actor ranks are data-parallel), or with `one_learner` (SAC) the actor one process over its devices.
+    batch), fastest predicted first (one row per layout, stage count and env workers per device), and the fastest
+    collocated one. A candidate's `spec` launches it: one worker per device for each component, or two env workers
+    per device where the profile measured them (env worker r asks policy worker r % R; the actor ranks are
+    data-parallel), or with `one_learner` (SAC) the actor one process over its devices.
     `staleness` (sac.max_policy_lag): >= 1 lets the next iteration's collection overlap this one's update wherever the
     actor has devices of its own."""
     if tuple(profile.stages) != COMPONENTS or tuple(profile.loop) != COMPONENTS[:2]:

@@ -7,7 +7,10 @@ less its waits for actions (stepping, bookkeeping, the trajectory put), the roll
 for those requests. The rest of each wait is the hand-overs' round trip, `loop_latency`: measured with env and policy
 on one device (`shared`) and, in one more lockstep rollout, on two (`split`); a pipeline hides the second, not the
 first. One more rollout with the policy in the env's process, as the flow runs one stage on shared devices, gives
-`cohosted_scale`: its time as a share of the env and rollout rows.
+`cohosted_scale`: its time as a share of the env and rollout rows; and one with two env workers on one device,
+half of the envs each, `two_ranks_scale`: the factor on the env row that explains its time (below 1 where a worker
+waits on something other than its core, a renderer's latency, say: the planner then considers two env workers per
+device).
 """
 
 from __future__ import annotations
@@ -145,6 +148,7 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                                  "rollout": max(o["policy_time"] for o in outs)}
                         if d == 1 and b == num_envs:
                             info.setdefault("shared", []).append(outs[0]["wait_time"] - outs[0]["policy_time"])
+                            info.setdefault("lockstep", []).append(outs[0]["seconds"])
                         if b == num_envs:
                             cells["actor"] = r["seconds"]
                         for name, seconds in cells.items():
@@ -164,6 +168,8 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
             info["split"], step = _split_loop(cfg, cluster, trajectories, work_dir, repeats, step)
         if cfg.rollout.cohost and 1 in devices:
             info["cohosted"], step = _cohosted_loop(cfg, cluster, trajectories, work_dir, repeats, step)
+        if 1 in devices and num_envs % 2 == 0 and (num_envs // 2) % cfg.env.seed_groups == 0:
+            info["two_ranks"], step = _two_ranks_loop(cfg, cluster, trajectories, work_dir, repeats, step)
     finally:
         trajectories.destroy()
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -177,10 +183,11 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
 
 
 def _lockstep_rollouts(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int, step: int, spec: str,
-                       cohost: bool = False) -> tuple[list[dict], int]:
+                       cohost: bool = False) -> tuple[list[list[dict]], int]:
     """`repeats` lockstep rollouts at the full env count (after a warm-up one) with env and policy placed by `spec`
-    (`env: 0; rollout: 1`, or `env,rollout: 0`), the policy in the env worker's process when `cohost`, as the flow
-    runs one stage on shared devices. Returns the env worker's outcomes and the next step."""
+    (`env: 0; rollout: 1`, `env,rollout: 0`, or two env workers sharing one policy worker, `env: 0:0-1; rollout:
+    0`), the policy in the env worker's process when `cohost`, as the flow runs one stage on shared devices.
+    Returns each rollout's outcomes (one per env worker) and the next step."""
     placement = parse_placement(spec, cluster.num_devices, COMPONENTS[:2])
     env = EnvProbe.launch(cluster, placement["env"], cfg, run_dir=str(work_dir))
     groups, outs = [env], []
@@ -190,8 +197,9 @@ def _lockstep_rollouts(cfg, cluster: Cluster, trajectories, work_dir: Path, repe
                                     run_dir=str(work_dir), host_with=env if cohost else None)
         groups.append(policy)
         for i in range(repeats + 1):  # the first warms up
-            out = env.rollout(policy, trajectories, cfg.steps_per_rollout, step, 1).wait()[0]
-            trajectories.get(key=0)
+            out = env.rollout(policy, trajectories, cfg.steps_per_rollout, step, 1).wait()
+            for _ in out:
+                trajectories.get(key=0)
             step += 1
             if i:
                 outs.append(out)
@@ -202,7 +210,16 @@ def _split_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: in
     """The lockstep rollout with the policy on a device of its own (`env: 0; rollout: 1`): the median of its waits
     for actions beyond the policy's compute (the hand-overs' round trips between devices)."""
     outs, step = _lockstep_rollouts(cfg, cluster, trajectories, work_dir, repeats, step, "env: 0; rollout: 1")
-    return statistics.median(o["wait_time"] - o["policy_time"] for o in outs), step
+    return statistics.median(o["wait_time"] - o["policy_time"] for o, in outs), step
+
+
+def _two_ranks_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int,
+                    step: int) -> tuple[float, int]:
+    """The lockstep rollout with two env workers on one device, half of the envs each, asking one policy worker
+    beside them (`env: 0:0-1; rollout: 0`): the median of the slower worker's seconds (`_table` sets it against
+    the one-worker rollout on one device)."""
+    outs, step = _lockstep_rollouts(cfg, cluster, trajectories, work_dir, repeats, step, "env: 0:0-1; rollout: 0")
+    return statistics.median(max(o["seconds"] for o in out) for out in outs), step
 
 
 def _cohosted_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int,
@@ -211,7 +228,7 @@ def _cohosted_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats:
     seconds. Its requests are calls in that process, so the policy's compute falls inside the env's own time;
     `_table` divides it by the env and rollout rows."""
     outs, step = _lockstep_rollouts(cfg, cluster, trajectories, work_dir, repeats, step, "env,rollout: 0", cohost=True)
-    return statistics.median(o["seconds"] for o in outs), step
+    return statistics.median(o["seconds"] for o, in outs), step
 
 
 def _table(cluster: Cluster, rows: dict, info: dict, num_envs: int) -> Profile:
@@ -232,7 +249,15 @@ def _table(cluster: Cluster, rows: dict, info: dict, num_envs: int) -> Profile:
     if "cohosted" in info:  # the co-hosted rollout against the env and rollout rows at that env count
         rows_sum = sum(statistics.median(x["seconds"] for x in rows[(c, num_envs, 1)]) for c in COMPONENTS[:2])
         scale = info["cohosted"] / rows_sum if rows_sum > 0 else 1.0
-    latency = LoopLatency(shared=shared, split=max(info.get("split", shared), 0.0), cohosted_scale=scale)
+    two = None
+    if "two_ranks" in info:
+        # the factor s on the env row (a) that the loop on one device takes with two env workers: one worker's
+        # rollout there took W1 = a + the rest (the policy, the round trips), two workers' W2 = s a + the rest
+        a = statistics.median(x["seconds"] for x in rows[("env", num_envs, 1)])
+        rest = statistics.median(info["lockstep"]) - a
+        two = max(info["two_ranks"] - rest, 0.01 * a) / a
+    latency = LoopLatency(shared=shared, split=max(info.get("split", shared), 0.0), cohosted_scale=scale,
+                          two_ranks_scale=two)
     return Profile(flow="embodied", stages=COMPONENTS, loop=COMPONENTS[:2], loop_latency=latency, batch=num_envs,
                    machine=Machine(kind, cluster.num_devices, int(memory)), components=components,
                    measurements=measurements, transfer=Transfer(),

@@ -6,6 +6,7 @@ it runs nothing and enumerates nothing (`search.py` does that). The rules are st
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -186,14 +187,25 @@ class Layout:
         g = self.group_of(component)
         return self.num_devices if g is None else self.sizes[g]
 
-    def spec(self) -> str:
-        """The placement spec string, e.g. `rollout: 0-5; reward,inference,actor: 6-7` (parse_placement reads it)."""
-        if len(self.groups) == 1 and not self.shared:
+    def spec(self, ranks: dict[str, int] | None = None) -> str:
+        """The placement spec string, e.g. `rollout: 0-5; reward,inference,actor: 6-7` (parse_placement reads it).
+        `ranks`: components written on their own, with that many processes over their devices: n ranks on devices
+        lo-hi -> `c: lo-hi:0-(n-1)` (two per device: `env: 0-1:0-3`), one -> `c: lo-hi:0` (one process over them)."""
+        ranks = ranks or {}
+        if len(self.groups) == 1 and not self.shared and not ranks:
             return f"{','.join(self.groups[0])}: all"
-        parts = [f"{','.join(g)}: {lo}" if lo == hi else f"{','.join(g)}: {lo}-{hi}"
-                 for g, (lo, hi) in zip(self.groups, self.ranges())]
+        groups = [(g, lo, hi, False) for g, (lo, hi) in zip(self.groups, self.ranges())]
         if self.shared:
-            parts.append(f"{','.join(self.shared)}: all")
+            groups.append((self.shared, 0, self.num_devices - 1, True))
+        parts = []
+        for group, lo, hi, shared in groups:
+            devices = str(lo) if lo == hi else f"{lo}-{hi}"
+            for ranked, run in itertools.groupby(group, key=lambda c: c in ranks):  # in data order
+                if not ranked:
+                    parts.append(f"{','.join(run)}: {'all' if shared else devices}")
+                for c in run if ranked else ():
+                    n = ranks[c]
+                    parts.append(f"{c}: {devices}" + ("" if n == hi - lo + 1 else ":0" if n == 1 else f":0-{n - 1}"))
         return "; ".join(parts)
 
     def label(self, group: int) -> str:
@@ -242,9 +254,11 @@ class _Terms:
     scale: float = 1.0  # the profile's cohosted_scale where it applies (one group), already in the terms above
 
 
-def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, loop_stages: int, offload: bool) -> _Terms:
+def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, loop_stages: int, offload: bool,
+           loop_ranks: int = 1) -> _Terms:
     p, head, tail, fit = model.profile, model.head, model.tail, model.fits
-    _check(p, layout, head, tail, batch, micro_batch, loop_stages)
+    _check(p, layout, head, tail, batch, micro_batch, loop_stages, loop_ranks)
+    ranks = p.loop_latency.ranks_factor(loop_ranks) if p.loop else 1.0  # on the loop's first stage's rows
 
     def others_on_devices(c: str, turn) -> bool:
         g = layout.group_of(c)
@@ -265,7 +279,7 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, loop_
     if p.loop and pipelined:  # the loop's two stages on different devices: loop_stages sub-batches alternate
         sub = batch // loop_stages
         first, second = p.loop
-        loop = (model.seconds(first, sub, layout.devices(first)), model.seconds(second, sub, layout.devices(second)),
+        loop = (model.seconds(first, sub, layout.devices(first)) * ranks, model.seconds(second, sub, layout.devices(second)),
                 p.transfer.seconds(sub) + p.loop_latency.split, loop_stages)
         waves, link = 1, 0.0
     else:
@@ -279,8 +293,10 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, loop_
             if loop:
                 compute = 0.0
             elif p.loop:  # the loop's two stages on the same devices: the S stages take turns, so they add up
-                scale, latency = p.loop_latency.on_shared_devices(loop_stages)  # one stage: in one process
+                scale, latency = p.loop_latency.on_shared_devices(loop_stages, loop_ranks)  # one stage: one process
                 compute = loop_stages * model.seconds(c, batch // loop_stages, layout.devices(c)) * scale
+                if c == p.loop[0]:
+                    compute *= ranks
                 if c == p.loop[1]:  # and every hand-over's round trip too
                     compute += loop_stages * latency
             elif c == head[0]:  # the source runs the whole batch in one call; its outputs stream out
@@ -318,7 +334,8 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, loop_
     return terms
 
 
-def _check(p: Profile, layout: Layout, head, tail, batch: int, micro_batch: int, loop_stages: int) -> None:
+def _check(p: Profile, layout: Layout, head, tail, batch: int, micro_batch: int, loop_stages: int,
+           loop_ranks: int = 1) -> None:
     placed = [c for g in layout.groups for c in g] + list(layout.shared)
     if sorted(placed) != sorted(p.stages):
         raise ValueError(f"layout places {placed}, but the flow's stages are {list(p.stages)}")
@@ -330,6 +347,8 @@ def _check(p: Profile, layout: Layout, head, tail, batch: int, micro_batch: int,
         raise ValueError(f"micro_batch {micro_batch} and loop_stages {loop_stages} must divide the batch {batch}")
     if loop_stages > 1 and not p.loop:
         raise ValueError("loop_stages > 1 needs a loop (a profile whose first two stages alternate)")
+    if loop_ranks != 1 and not p.loop:
+        raise ValueError("loop_ranks > 1 needs a loop (a profile whose first two stages alternate)")
 
 
 def _memory(model: CostModel, layout: Layout, t: _Terms, batch: int, size: int, loop_stages: int, offload: bool) -> None:
@@ -385,7 +404,7 @@ class Prediction:
 
 
 def predict(model: CostModel, layout: Layout, batch: int | None = None, micro_batch: int | None = None,
-            loop_stages: int = 1, offload: bool = False, staleness: int = 0) -> Prediction:
+            loop_stages: int = 1, offload: bool = False, staleness: int = 0, loop_ranks: int = 1) -> Prediction:
     """Predict one training step.
 
     Head (streaming stages): one group -> its components add up on the whole batch; several groups -> a pipeline
@@ -393,6 +412,7 @@ def predict(model: CostModel, layout: Layout, batch: int | None = None, micro_ba
     group x (micro-batches - 1). A group's time per micro-batch is the sum of its components (+ their switches when
     offloading). A loop (the first two stages alternating, a and b) on different devices with S stages: max(S*a, S*b,
     a+b+transfer+split latency) at batch/S; on the same devices they take turns: S*(a + b + shared latency) at batch/S.
+    With `loop_ranks` 2 (two processes of the first stage per device) a is its row x loop_latency.two_ranks_scale.
     Then once-per-step work, switches, the tail stages on the whole batch one after another, weight sync.
     `staleness` (how many steps old the data a step trains on may be) >= 1:
     generation (or the loop's collection) of the next steps overlaps this one wherever the source has
@@ -400,7 +420,7 @@ def predict(model: CostModel, layout: Layout, batch: int | None = None, micro_ba
     """
     batch = batch or model.profile.batch
     micro_batch = micro_batch or batch
-    t = _terms(model, layout, batch, micro_batch, loop_stages, offload)
+    t = _terms(model, layout, batch, micro_batch, loop_stages, offload, loop_ranks)
     parts: list[tuple[str, float]] = []
     busy = {c: 0.0 for c in model.profile.stages}
     switch = 0.0
@@ -486,12 +506,12 @@ class Box:
 
 
 def schedule(model: CostModel, layout: Layout, batch: int | None = None, micro_batch: int | None = None,
-             loop_stages: int = 1, offload: bool = False) -> list[Box]:
+             loop_stages: int = 1, offload: bool = False, loop_ranks: int = 1) -> list[Box]:
     """The step laid out in time, consistent with `predict` (the last box ends at its `seconds`): each
     micro-batch starts on a group when the group is free and the previous group has finished it (+ transfer)."""
     batch = batch or model.profile.batch
     micro_batch = micro_batch or batch
-    return _boxes(model, layout, _terms(model, layout, batch, micro_batch, loop_stages, offload))
+    return _boxes(model, layout, _terms(model, layout, batch, micro_batch, loop_stages, offload, loop_ranks))
 
 
 def _boxes(model: CostModel, layout: Layout, t: _Terms) -> list[Box]:

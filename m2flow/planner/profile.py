@@ -93,13 +93,27 @@ class LoopLatency:
     # takes this share of the two stages' rows (timed in two processes, the requests' sends included) and pays no
     # round trips. None (not measured, or the flow does not co-host): the rows + shared
     cohosted_scale: float | None = None
+    # the loop's first stage as two processes per device, each with half of that device's share of the batch: the
+    # factor on its rows that explains the loop's measured time so (< 1 where a process waits on something other
+    # than its core, a renderer's latency, say; ~1 or more where the core bounds it). None: not measured
+    two_ranks_scale: float | None = None
 
-    def on_shared_devices(self, loop_stages: int) -> tuple[float, float]:
-        """The loop on the same devices in `loop_stages` stages: (the factor on its two stages' rows, the round
-        trips' seconds per stage)."""
-        if loop_stages == 1 and self.cohosted_scale is not None:
+    def on_shared_devices(self, loop_stages: int, loop_ranks: int = 1) -> tuple[float, float]:
+        """The loop on the same devices in `loop_stages` stages (its first stage `loop_ranks` processes per device):
+        (the factor on its two stages' rows, the round trips' seconds per stage). Co-hosted (one stage, one
+        process per device: the second stage runs in the first's process) it pays no round trips."""
+        if loop_stages == 1 and loop_ranks == 1 and self.cohosted_scale is not None:
             return self.cohosted_scale, 0.0
         return 1.0, self.shared
+
+    def ranks_factor(self, loop_ranks: int) -> float:
+        """The factor on the loop's first stage's rows with `loop_ranks` processes per device (1 or 2)."""
+        if loop_ranks == 1:
+            return 1.0
+        if loop_ranks != 2 or self.two_ranks_scale is None:
+            raise ValueError(f"{loop_ranks} processes per device of the loop's first stage were not measured "
+                             "(loop_latency.two_ranks_scale gives 2)")
+        return self.two_ranks_scale
 
 
 @dataclass
@@ -167,12 +181,15 @@ class Profile:
             r.fail("loop", f"must be the first two stages {list(stages[:2])} (they alternate every step), "
                            f"got {list(loop)}")
         lat = data.get("loop_latency", {})
-        r.mapping(lat, "loop_latency", {"shared", "split", "cohosted_scale"})
+        r.mapping(lat, "loop_latency", {"shared", "split", "cohosted_scale", "two_ranks_scale"})
+        scales = {k: r.number(lat, k, "loop_latency") if k in lat else None for k in ("cohosted_scale",
+                                                                                     "two_ranks_scale")}
         loop_latency = LoopLatency(r.number(lat, "shared", "loop_latency", default=0.0),
-                                   r.number(lat, "split", "loop_latency", default=0.0),
-                                   r.number(lat, "cohosted_scale", "loop_latency") if "cohosted_scale" in lat else None)
-        if (loop_latency.shared or loop_latency.split or loop_latency.cohosted_scale is not None) and not loop:
+                                   r.number(lat, "split", "loop_latency", default=0.0), **scales)
+        if (loop_latency.shared or loop_latency.split or any(v is not None for v in scales.values())) and not loop:
             r.fail("loop_latency", "is set, but the profile has no loop")
+        if scales["two_ranks_scale"] is not None and scales["two_ranks_scale"] <= 0:
+            r.fail("loop_latency.two_ranks_scale", f"must be > 0, got {scales['two_ranks_scale']}")
         batch = r.integer(data, "batch", minimum=1)
         cohosted = r.number(data, "cohosted_scale") if "cohosted_scale" in data else None
         if cohosted is not None and (cohosted <= 0 or loop):

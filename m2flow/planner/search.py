@@ -1,5 +1,6 @@
 """Plan search: enumerates layouts (collocated, disaggregated, hybrid), device splits, micro-batch sizes, the
-loop's pipeline stages and offload; prunes plans that do not fit in memory; ranks the rest by predicted step time.
+loop's pipeline stages (and two processes per device of its first stage, where measured) and offload; prunes
+plans that do not fit in memory; ranks the rest by predicted step time.
 
 Pure: it reads a profile and returns candidates (with placement specs that `parse_placement` accepts); it
 launches nothing. Also `plan_command`, the logic of `m2flow plan --profile P.json --devices N`.
@@ -35,14 +36,22 @@ class Candidate:
     loop_stages: int  # pipeline stages of the loop (a profile whose first two stages alternate); 1 otherwise
     offload: bool
     prediction: Prediction
+    loop_ranks: int = 1  # processes per device of the loop's first stage (`ranked`); 1 otherwise
+    ranked: str = ""  # the component loop_ranks counts (the loop's first stage), "" when loop_ranks is 1
 
     @property
     def seconds(self) -> float:
         return self.prediction.seconds
 
+    def ranks(self) -> dict[str, int]:
+        """Components with more than one process per device: name -> processes over its devices."""
+        if self.loop_ranks == 1:
+            return {}
+        return {self.ranked: self.loop_ranks * self.layout.devices(self.ranked)}
+
     @property
     def spec(self) -> str:
-        return self.layout.spec()
+        return self.layout.spec(self.ranks())
 
     @property
     def mode(self) -> str:
@@ -54,6 +63,7 @@ class Candidate:
 
     def describe(self) -> str:
         stages = f", {self.loop_stages} loop pipeline stage(s)" if self.loop_stages > 1 else ""
+        stages += f", {self.loop_ranks} {self.ranked} processes per device" if self.loop_ranks > 1 else ""
         return (f"{self.mode}  {self.spec}\n  micro-batch {self.micro_batch}{stages}, "
                 f"offload {'on' if self.offload else 'off'}, predicted step {self.seconds:.3g} s, bottleneck {self.prediction.bottleneck}")
 
@@ -103,14 +113,15 @@ class SearchResult:
 
     def to_plan_dict(self) -> dict:
         """The best plan as plain data, e.g. for plan.yaml: the keys of ExecutionPlan.to_dict (one rank per device,
-        as parse_placement makes them) + the loop's stages + the prediction."""
+        or loop_ranks for the loop's first stage, as parse_placement makes them) + the loop's stages + the prediction."""
         b = self.best
         ranges = b.layout.ranges()
         placement = {}
         for comp in self.profile.stages:
             g = b.layout.group_of(comp)
             lo, hi = (0, self.num_devices - 1) if g is None else ranges[g]
-            placement[comp] = [[d] for d in range(lo, hi + 1)]
+            per_device = b.loop_ranks if comp == b.ranked else 1
+            placement[comp] = [[d] for d in range(lo, hi + 1) for _ in range(per_device)]
         return {
             "mode": b.mode,
             "placement": placement,
@@ -119,6 +130,7 @@ class SearchResult:
             "channel_maxsize": 0,
             "offload": b.offload,
             "loop_stages": b.loop_stages,
+            **({"loop_ranks": b.loop_ranks} if b.loop_ranks > 1 else {}),
             "predicted_step_seconds": round(b.seconds, 6),
             "predicted_collocated_seconds": round(self.collocated.seconds, 6) if self.collocated else None,
             "breakdown": {label: round(s, 6) for label, s in b.prediction.parts},
@@ -233,6 +245,10 @@ def search(profile: Profile, num_devices: int, top: int = 10, components: list[s
     model = CostModel(profile, batch)
     head = model.head
     micro = micro_batch_sizes(batch)
+    # the loop's first stage as two processes per device too, where the profile measured that faster: a second
+    # process on a device helps only a stage that waits on something other than its core (a renderer's latency)
+    two = profile.loop_latency.two_ranks_scale if profile.loop else None
+    loop_ranks = (1, 2) if two is not None and two < 1 else (1,)
     feasible: list[Candidate] = []
     evaluated = infeasible = 0
     examples: list[str] = []
@@ -241,22 +257,22 @@ def search(profile: Profile, num_devices: int, top: int = 10, components: list[s
         pipelined = len(head_groups) > 1
         shares = layout.shared or any(len(g) > 1 for g in layout.groups)
         if profile.loop:
-            grains = [(batch // s, s) for s in ENV_STAGES if batch % s == 0]
+            grains = [(batch // s, s, k) for s in ENV_STAGES if batch % s == 0 for k in loop_ranks]
         else:
-            grains = [(m, 1) for m in micro] if pipelined else [(batch, 1)]
-        for (m, s), offload in itertools.product(grains, (False, True) if shares else (False,)):
-            pred = predict(model, layout, batch, m, s, offload, staleness)
+            grains = [(m, 1, 1) for m in micro] if pipelined else [(batch, 1, 1)]
+        for (m, s, k), offload in itertools.product(grains, (False, True) if shares else (False,)):
+            pred = predict(model, layout, batch, m, s, offload, staleness, k)
             evaluated += 1
             if not pred.feasible:
                 infeasible += 1
                 if len(examples) < 5:
                     examples.append(f"{layout.spec()} (offload {'on' if offload else 'off'}): {pred.reason}")
                 continue
-            feasible.append(Candidate(layout, batch, m, s, offload, pred))
+            feasible.append(Candidate(layout, batch, m, s, offload, pred, k, profile.loop[0] if k > 1 else ""))
     feasible.sort(key=lambda c: (round(c.seconds, 9), len(c.layout.groups) + len(c.layout.shared), c.offload, c.spec))
     best, seen = [], set()
     for c in feasible:  # one row per structure (grouping, granularity, offload), with its best device split
-        key = (c.layout.groups, c.layout.shared, c.micro_batch, c.loop_stages, c.offload)
+        key = (c.layout.groups, c.layout.shared, c.micro_batch, c.loop_stages, c.loop_ranks, c.offload)
         if key not in seen and len(best) < top:
             seen.add(key)
             best.append(c)

@@ -31,7 +31,8 @@ def plot_predicted(profile: Profile, candidate, path: str | Path, compare=None) 
                         gridspec_kw={"height_ratios": [n + 1.2 for n in lanes]})[:, 0]
     total = max(c.seconds for _, c in panels)
     for ax, (name, cand) in zip(axes, panels):
-        boxes = schedule(model, cand.layout, cand.batch, cand.micro_batch, cand.loop_stages, cand.offload)
+        boxes = schedule(model, cand.layout, cand.batch, cand.micro_batch, cand.loop_stages, cand.offload,
+                         cand.loop_ranks)
         _draw(ax, cand, boxes, colors, total)
         stages = f", {cand.loop_stages} loop stages" if cand.loop_stages > 1 else ""
         what = name if name == cand.mode else f"{name} ({cand.mode})"

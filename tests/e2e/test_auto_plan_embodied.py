@@ -39,11 +39,18 @@ def test_embodied_auto_picks_the_plan_it_predicts_fastest_and_every_plan_runs(cl
         assert {m.devices for m in profile.measurements if m.component == name} == {1, 2}, name
     assert {m.batch for m in profile.measurements if m.component == "env" and m.devices == 1} == {2, 4, 8}
     assert profile.components["actor"].fixed_seconds > 0 and not profile.components["actor"].streams
+    # two env workers on one device, timed against one: the planner adds such plans only where they measured faster
+    two_ranks = profile.loop_latency.two_ranks_scale
+    assert two_ranks is not None and two_ranks > 0
     plan, plans, report = auto_outputs(run, STEPS)
     assert plan["pipeline_stages"] == plans[0]["pipeline_stages"]
+    doubled = [c for c in plans if c.get("loop_ranks", 1) == 2]
+    assert bool(doubled) == (two_ranks < 1), (two_ranks, doubled)
+    for c in doubled:
+        assert parse_placement(c["placement_spec"], 2, COMPONENTS)["env"].world_size == 4, c
     # every placement the flow can run on 2 devices, at the stage count the planner ranks best for it
-    assert len(plans) == 4 and {parse_placement(c["placement_spec"], 2, COMPONENTS).mode for c in plans} == {
-        "collocated", "hybrid"}
+    assert len(plans) - len(doubled) == 4 and {parse_placement(c["placement_spec"], 2, COMPONENTS).mode
+                                               for c in plans} == {"collocated", "hybrid"}
 
     def measure(c, i):
         t = time.perf_counter()

@@ -147,3 +147,39 @@ def test_the_planner_plans_the_components_the_embodied_config_places():
     from m2flow.embodied.config import EmbodiedClusterConfig
 
     assert planner.COMPONENTS == EmbodiedClusterConfig.COMPONENTS
+
+
+def test_two_env_workers_per_device_where_the_profile_measured_them_faster():
+    """`loop_latency.two_ranks_scale` (the profiler's rollout with two env workers on one device): below 1 (an env
+    that waits on its renderer, not its core) the search adds plans with two env workers per device, their env rows
+    scaled by it, and the flow can launch them; at 1 or more (a core-bound env, as on this machine's CPU devices), or
+    unmeasured, it offers one env worker per device only."""
+    base = profile(env=1.0, policy=0.1, actor=0.05)
+    fast = Profile.from_dict({**base.to_dict(), "loop_latency": {"two_ranks_scale": 0.5}}, source="<hand-made>")
+    r = embodied_plans(fast, 2)
+    best = r.best
+    assert (best.spec, best.loop_stages, best.loop_ranks) == ("env: 0-1:0-3; rollout,actor: 0-1", 1, 2)
+    one = next(c for c in r.candidates if c.mode == "collocated" and c.loop_stages == 1 and c.loop_ranks == 1)
+    assert one.spec == "env,rollout,actor: all" and one.seconds == pytest.approx(0.52 + 0.07 + 0.035)
+    # the env's rows (0.02 + 0.5 at 16 envs per device) halve; the policy, the update and the fixed work do not
+    assert best.prediction.busy["env"] == pytest.approx(0.5 * one.prediction.busy["env"])
+    assert best.seconds == pytest.approx(0.26 + 0.07 + 0.035)
+    for c in r.candidates:  # every plan launches: 4 env workers on 2 devices, each asking policy worker r % R
+        placement = parse_placement(c.spec, 2, list(COMPONENTS))
+        assert placement["env"].world_size == c.layout.devices("env") * c.loop_ranks, c.spec
+        assert placement["env"].world_size % placement["rollout"].world_size == 0, c.spec
+        assert (32 // placement["env"].world_size) % c.loop_stages == 0, c.spec
+    assert {c.loop_ranks for c in r.candidates} == {1, 2}
+    assert r.to_plan_dict()["placement"]["env"] == [[0], [0], [1], [1]] and r.to_plan_dict()["loop_ranks"] == 2
+    # SAC's learner stays one process over its devices beside them
+    assert embodied_plans(fast, 2, one_learner=True).best.spec == "env: 0-1:0-3; rollout: 0-1; actor: 0-1:0"
+    assert fast.to_dict()["loop_latency"] == {"shared": 0.0, "split": 0.0, "two_ranks_scale": 0.5}
+    for scale in (None, 1.0, 1.4):  # unmeasured, or no faster: one env worker per device
+        p = base if scale is None else Profile.from_dict({**base.to_dict(), "loop_latency": {"two_ranks_scale": scale}},
+                                                          source="<hand-made>")
+        got = embodied_plans(p, 2).candidates
+        assert len(got) == 12 and {c.loop_ranks for c in got} == {1}, scale
+    with pytest.raises(Exception, match=r"x.json: loop_latency.two_ranks_scale must be > 0, got 0"):
+        Profile.from_dict({**base.to_dict(), "loop_latency": {"two_ranks_scale": 0}}, source="x.json")
+    with pytest.raises(ValueError, match="2 processes per device of the loop's first stage were not measured"):
+        base.loop_latency.ranks_factor(2)
