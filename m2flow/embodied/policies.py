@@ -30,6 +30,11 @@ def categorical_logprob(log_p: torch.Tensor, index: torch.Tensor) -> torch.Tenso
     return log_p.gather(-1, index.unsqueeze(-1)).squeeze(-1)
 
 
+def gumbel_noise(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise from uniforms u (clamped off 0 and 1): argmax(log p + gumbel_noise(u)) is an exact sample of p."""
+    return -torch.log(-torch.log(u.clamp(1e-12, 1 - 1e-7)))
+
+
 def _linear(in_features: int, out_features: int, gain: float) -> nn.Linear:
     layer = nn.Linear(in_features, out_features)
     nn.init.orthogonal_(layer.weight, gain)

@@ -27,7 +27,7 @@ from gymnasium import spaces
 from torch import nn
 
 from m2flow.embodied.envs.packed import PackedLayout
-from m2flow.embodied.policies import ActorCritic, _linear
+from m2flow.embodied.policies import ActorCritic, _linear, gumbel_noise
 
 HEADS = ("gaussian", "tokens")
 
@@ -176,7 +176,7 @@ class TokenVLA(nn.Module):
     # -- the policy interface -------------------------------------------------------------------------------------------
     def act(self, obs: torch.Tensor, deterministic: bool = False):
         """obs [B, nbytes] -> (actions [B, (k,) *act], logprob [B], value [B]); deterministic: the likeliest tokens."""
-        gumbel = None if deterministic else _gumbel(torch.rand(len(obs), self.n_tokens, self.bins))
+        gumbel = None if deterministic else gumbel_noise(torch.rand(len(obs), self.n_tokens, self.bins))
         index, logprob, value = self.decode(obs, gumbel)
         return self.to_actions(index), logprob, value
 
@@ -184,7 +184,7 @@ class TokenVLA(nn.Module):
         """The policy worker's sampler: Gumbel noise drawn for all `total` envs from `noise_seed` and sliced, so env
         i gets the same noise whatever stage or worker it is in."""
         u = torch.rand((total, self.n_tokens, self.bins), generator=torch.Generator().manual_seed(noise_seed))
-        index, logprob, value = self.decode(obs, _gumbel(u[lo:lo + len(obs)]))
+        index, logprob, value = self.decode(obs, gumbel_noise(u[lo:lo + len(obs)]))
         return self.to_actions(index), logprob, value
 
     def evaluate(self, obs: torch.Tensor, actions: torch.Tensor):
@@ -204,11 +204,6 @@ class TokenVLA(nn.Module):
     def scale_std(self, factor: float) -> None:
         raise ValueError("policy.init_std_scale scales a Gaussian's std; vla.head=tokens samples action tokens "
                          "(leave it at 1)")
-
-
-def _gumbel(u: torch.Tensor) -> torch.Tensor:
-    """Gumbel noise from uniforms u (clamped off 0 and 1, as the policy worker's categorical sampler does)."""
-    return -torch.log(-torch.log(u.clamp(1e-12, 1 - 1e-7)))
 
 
 def build_vla(layout: PackedLayout, action_space: spaces.Space, vocab: int, head: str = "gaussian", **kw):

@@ -9,7 +9,7 @@ from m2flow import cli
 @pytest.fixture
 def seen(monkeypatch):
     got = {}
-    for name in ("eval", "train"):
+    for name in ("eval", "train", "demos"):
         monkeypatch.setitem(cli.COMMANDS, name, lambda args: got.update(vars(args)) or 0)
     return got
 
@@ -27,3 +27,13 @@ def test_unknown_arguments_are_refused(seen, capsys):
             cli.main(argv)
         assert e.value.code == 2
         assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_demos_render_triangles_default_is_the_configs(seen):
+    """The CLI keeps its imports light, so `--render-triangles`' default is written out: it must stay the config's
+    env.render_triangles and maniskill.RENDER_TRIANGLES, or recorded demos would not match the default config."""
+    from m2flow.embodied.config import EmbodiedConfig
+    from m2flow.embodied.envs.maniskill import RENDER_TRIANGLES
+
+    assert cli.main(["demos", "PickCube-v1", "--pixels"]) == 0
+    assert seen["render_triangles"] == RENDER_TRIANGLES == EmbodiedConfig().env.render_triangles

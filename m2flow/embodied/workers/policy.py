@@ -16,7 +16,8 @@ import torch
 from gymnasium import spaces
 from torch import nn
 
-from m2flow.embodied.policies import ActorCritic, SquashedGaussianActor, build_policy, categorical_logprob, gaussian_logprob
+from m2flow.embodied.policies import (ActorCritic, SquashedGaussianActor, build_policy, categorical_logprob,
+                                     gaussian_logprob, gumbel_noise)
 from m2flow.embodied.vla import GaussianVLA, TokenVLA, build_vla
 from m2flow.runtime import Worker
 from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
@@ -83,9 +84,9 @@ def sample_actions(policy: ActorCritic, obs: torch.Tensor, noise_seed: int | Non
         action = out + torch.exp(log_std) * eps
         logprob = policy._sum(gaussian_logprob(action, out, log_std))
     else:
-        u = torch.rand((total, *out.shape[1:]), generator=gen)[lo:lo + n].clamp_(1e-12, 1 - 1e-7)
+        u = torch.rand((total, *out.shape[1:]), generator=gen)[lo:lo + n]
         log_p = torch.log_softmax(out, -1)
-        index = (log_p - torch.log(-torch.log(u))).argmax(-1)
+        index = (log_p + gumbel_noise(u)).argmax(-1)
         logprob = policy._sum(categorical_logprob(log_p, index))
         action = index + int(policy.action_space.start)
     return action, logprob, policy.critic_head(critic_feat).squeeze(-1)
