@@ -279,7 +279,8 @@ def _terms(model: CostModel, layout: Layout, batch: int, micro_batch: int, loop_
     if p.loop and pipelined:  # the loop's two stages on different devices: loop_stages sub-batches alternate
         sub = batch // loop_stages
         first, second = p.loop
-        loop = (model.seconds(first, sub, layout.devices(first)) * ranks, model.seconds(second, sub, layout.devices(second)),
+        loop = (model.seconds(first, sub, layout.devices(first)) * ranks,
+                model.seconds(second, sub, layout.devices(second)),
                 p.transfer.seconds(sub) + p.loop_latency.split, loop_stages)
         waves, link = 1, 0.0
     else:

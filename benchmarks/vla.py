@@ -1,0 +1,90 @@
+"""The VLA from pixels on ManiSkill3 (issue 70): the rollout's env steps per second in each plan, with the simulator's
+and renderer's time beside the VLA's inference time, measured with the real flow. Prints a table; asserts nothing.
+
+    python benchmarks/vla.py [--envs 12] [--horizon 20] [--iterations 5] [--reps 3] [overrides ...]
+    python benchmarks/vla.py --plans 'env,rollout,actor: all@2|env: 0; rollout: 1; actor: all@2'
+
+Each plan (`placement@pipeline_stages`) trains `--iterations` PPO iterations of ppo_pickcube with `env.pixels=true
+policy.kind=vla` (the vla section's default sizes, 64x64 frames); the plans run interleaved, `--reps` rounds of
+each. Per plan the medians over rounds of the iterations after the first: the rollout's env steps/s
+(`throughput/rollout_env_steps_per_s`), the whole iteration's (with the update), and per iteration the env
+workers' stepping and rendering time (`time/env_time`, the mean over env workers) against the policy workers'
+inference time (`time/policy_time`). The 1-minute load average is printed beside each round: figures taken above 1.0 beside
+other work are "under load". `cluster.placement=auto` (the default first plan, `auto`) profiles and picks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+from m2flow import config as C
+from m2flow.api import train
+from m2flow.embodied.config import EmbodiedConfig
+
+PLANS = ("auto", "env,rollout,actor: all@1", "env,rollout,actor: all@2", "env: 0; rollout: 1; actor: all@2",
+         "env,rollout: 0; actor: 1@1", "env: 0; rollout,actor: 1@2")
+PIXELS = ["env.id=PickCube-v1", "env.pixels=true", "policy.kind=vla"]
+KEYS = {"rollout": "throughput/rollout_env_steps_per_s", "iteration": "throughput/env_steps_per_s",
+        "env_s": "time/env_time", "policy_s": "time/policy_time"}
+
+
+def run_plan(plan: str, args, out: Path, rep: int) -> dict:
+    """One round of `plan`: train, then the medians of KEYS over the iterations after the first."""
+    spec, _, stages = plan.partition("@")
+    name = f"{spec.replace(' ', '').replace(';', '_').replace(':', '').replace(',', '')}_{stages or 'auto'}_{rep}"
+    overrides = [*PIXELS, f"env.num_envs={args.envs}", f"rollout.steps={args.horizon}", f"run.steps={args.iterations}",
+                 "run.save_every=0", "eval.episodes=0", "run.progress=false", "run.overwrite=true",
+                 f"run.dir={out}", f"run.name={name}", f"cluster.placement={spec}", *args.overrides]
+    if stages:
+        overrides.append(f"env.pipeline_stages={stages}")
+    if spec == "auto" and rep:  # profile once: the later rounds reuse the first round's profile
+        first = out / name.replace(f"_{rep}", "_0") / "profile.json"
+        (out / name).mkdir(parents=True, exist_ok=True)
+        (out / name / "profile.json").write_bytes(first.read_bytes())
+        overrides.remove("run.overwrite=true")
+    train(C.load(EmbodiedConfig, "ppo_pickcube", overrides))
+    rows = [json.loads(line) for line in open(out / name / "metrics.jsonl")][1:]
+    got = {k: statistics.median(r[key] for r in rows) for k, key in KEYS.items()}
+    plan_yaml = C.read_yaml(out / name / "plan.yaml")
+    return {**got, "placement": plan_yaml["placement_spec"], "stages": plan_yaml.get("pipeline_stages"),
+            "load": os.getloadavg()[0]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--envs", type=int, default=12)
+    p.add_argument("--horizon", type=int, default=20, help="rollout.steps")
+    p.add_argument("--iterations", type=int, default=5, help="per plan and round; the first is left out")
+    p.add_argument("--reps", type=int, default=3, help="interleaved rounds of every plan")
+    p.add_argument("--plans", default="|".join(PLANS), help="'placement@stages|...', auto: cluster.placement=auto")
+    p.add_argument("--out", default="runs/bench_vla")
+    p.add_argument("overrides", nargs="*", help="config overrides for every run (vla.*, env.image_size, ...)")
+    args = p.parse_args()
+    out = Path(args.out)
+    plans = args.plans.split("|")
+    got: dict[str, list[dict]] = {plan: [] for plan in plans}
+    for rep in range(args.reps):
+        for plan in plans:
+            r = run_plan(plan, args, out, rep)
+            got[plan].append(r)
+            print(f"round {rep + 1}  {plan:36s} rollout {r['rollout']:6.1f} env steps/s  iteration "
+                  f"{r['iteration']:6.1f}  env {r['env_s']:.2f} s  policy {r['policy_s']:.2f} s  load {r['load']:.1f}",
+                  flush=True)
+    print(f"\n{args.envs} envs x {args.horizon} steps an iteration, {' '.join(PIXELS + args.overrides)}; medians of "
+          f"{args.reps} rounds\n")
+    print("| plan | placement (stages) | rollout env steps/s | iteration env steps/s | env + render s "
+          "| VLA inference s | load |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for plan, rs in got.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in (*KEYS, "load")}
+        print(f"| {plan} | `{rs[0]['placement']}` ({rs[0]['stages']}) | {med['rollout']:.1f} | {med['iteration']:.1f} "
+              f"| {med['env_s']:.2f} | {med['policy_s']:.2f} | {min(r['load'] for r in rs):.1f}-"
+              f"{max(r['load'] for r in rs):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
