@@ -210,7 +210,7 @@ def _split_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: in
     """The lockstep rollout with the policy on a device of its own (`env: 0; rollout: 1`): the median of its waits
     for actions beyond the policy's compute (the hand-overs' round trips between devices)."""
     outs, step = _lockstep_rollouts(cfg, cluster, trajectories, work_dir, repeats, step, "env: 0; rollout: 1")
-    return statistics.median(o["wait_time"] - o["policy_time"] for o, in outs), step
+    return statistics.median(o["wait_time"] - o["policy_time"] for (o,) in outs), step
 
 
 def _two_ranks_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int,
@@ -228,7 +228,7 @@ def _cohosted_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats:
     seconds. Its requests are calls in that process, so the policy's compute falls inside the env's own time;
     `_table` divides it by the env and rollout rows."""
     outs, step = _lockstep_rollouts(cfg, cluster, trajectories, work_dir, repeats, step, "env,rollout: 0", cohost=True)
-    return statistics.median(o["seconds"] for o, in outs), step
+    return statistics.median(o["seconds"] for (o,) in outs), step
 
 
 def _table(cluster: Cluster, rows: dict, info: dict, num_envs: int) -> Profile:

@@ -203,7 +203,8 @@ class Layout:
             for ranked, run in itertools.groupby(group, key=lambda c: c in ranks):  # in data order
                 if not ranked:
                     parts.append(f"{','.join(run)}: {'all' if shared else devices}")
-                for c in run if ranked else ():
+                    continue
+                for c in run:
                     n = ranks[c]
                     parts.append(f"{c}: {devices}" + ("" if n == hi - lo + 1 else ":0" if n == 1 else f":0-{n - 1}"))
         return "; ".join(parts)
