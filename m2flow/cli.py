@@ -244,7 +244,7 @@ def cmd_demos(args) -> int:
     except (ImportError, RuntimeError) as e:
         raise UserError(f"demos: {e}") from None
     out = args.out or os.path.join("runs", "demos", *args.task.split("/"))
-    with progress(sys.stderr.isatty()) as bar:
+    with progress() as bar:
         task = bar.add_task(f"{args.task} expert", total=args.episodes, info="")
         summary = experts.write_demos(args.task, args.episodes, out, seed=args.seed,
                                       progress=lambda done: bar.update(task, completed=done), pixels=args.pixels,

@@ -30,3 +30,19 @@ def test_each_step_reaches_metrics_jsonl_and_tensorboard_with_the_same_values(tm
         assert [s for s, _ in read] == [1, 2, 3], (tag, read)
         for (step, value), row in zip(read, rows):
             assert math.isclose(value, row[tag], rel_tol=1e-6), (tag, step, value, row[tag])
+
+
+def test_progress_prints_a_line_a_tenth_where_stderr_is_no_terminal(capsys):
+    """In a log (stderr not a terminal) rich draws nothing until the end: a plain line at each tenth instead."""
+    from m2flow.run_dir import progress
+
+    with progress() as bar:
+        task = bar.add_task("behaviour cloning", total=25, info="")
+        for i in range(1, 26):
+            bar.update(task, completed=i, info=f"nll {i:.3f}")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("behaviour cloning: 1/25 (") and lines[0].endswith("nll 1.000")
+    assert len(lines) == 11 and lines[-1].startswith("behaviour cloning: 25/25") and lines[-1].endswith("nll 25.000")
+    with progress(False) as bar:  # disabled: nothing at all
+        bar.update(bar.add_task("quiet", total=4, info=""), completed=4)
+    assert capsys.readouterr().err == ""
