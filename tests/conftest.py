@@ -34,6 +34,32 @@ def _machine_line() -> str | None:
             f"{load[2]:.2f}; other pytest or Ray processes running: {len(others)}")
 
 
+# pytest-timeout fails a test past its limit from a SIGALRM handler, but an exception raised by a signal handler cannot
+# leave a `ray.get` that waits for ever: Ray keeps it until the call returns. So a hung test would run into CI's
+# 90-minute cut with nothing to show. BACKSTOP_S after its limit, every thread's stack goes to stderr and the run exits.
+BACKSTOP_S = 120
+_STDERR_FD: list[int] = []
+
+
+def pytest_configure(config):
+    _STDERR_FD.append(os.dup(sys.stderr.fileno()))  # the terminal's stderr (tests' own output is captured)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_protocol(item, nextitem):
+    import faulthandler
+
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0] if marker and marker.args else item.config.getini("timeout") or 0)
+    if limit <= 0:
+        return (yield)
+    faulthandler.dump_traceback_later(limit + BACKSTOP_S, file=_STDERR_FD[0], exit=True)
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` need a CUDA GPU: skipped where torch sees none."""
     import torch
