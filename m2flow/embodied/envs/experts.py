@@ -1,11 +1,12 @@
 """Scripted experts for the ManiSkill3 tasks and the demonstration datasets they write (Meta-World tasks,
 `metaworld/TASK`, use the package's own scripted policies).
 
-An expert reads the simulator's true state (the cube, goal and gripper positions: privileged, as a motion planner's
-is) and drives the end effector through waypoints in the policies' own control mode (`pd_ee_delta_pos`: 3 deltas
-and the gripper, in [-1, 1]), so a demonstration needs no conversion: its actions are what a policy emits, its
-observations what a policy sees. Measured on 100 seeds (`m2flow demos TASK -n 100`, see docs/embodied.md): PickCube
-and PushCube succeed on every seed; StackCube on most (the failed episodes are kept, marked failed).
+An expert reads the simulator's true state (the cube, goal and gripper positions, whether it holds the cube:
+privileged, as a motion planner's is) and drives the end effector toward the next waypoint in the policies' own
+control mode (`pd_ee_delta_pos`: 3 deltas and the gripper, in [-1, 1]), so a demonstration needs no conversion: its
+actions are what a policy emits, its observations what a policy sees. Its action is a function of the current state
+alone (no phase or timer kept between steps), which is what lets a policy clone it. Success rates over 100 seeds are
+in docs/results/manipulation.md (failed episodes are kept, marked failed).
 
 Why not ManiSkill's motion planner: it needs `mplib` 0.1.1, which segfaults under numpy 2 (the main environment's),
 and its demos are in joint-position control, to be converted by replaying them.
@@ -42,82 +43,70 @@ OPEN, CLOSED = 1.0, -1.0
 
 
 class _Expert:
-    """A waypoint state machine over the env's true state; `act()` gives the next action."""
+    """An expert whose action is a function of the simulator's current state alone: it keeps nothing from one step
+    to the next (no phase, no timer), so a policy that observes the same state can clone it; a grasp that slips is
+    tried again. `act()` gives the next action."""
 
     def __init__(self, env: gym.Env):
         self.base = env.unwrapped
-        self.phase, self.waited = 0, 0
 
-    def _reach(self, tcp, target, grip, tol=0.01, gain=10.0) -> np.ndarray:
-        if np.linalg.norm(tcp - target) < tol:
-            self.phase += 1
-        return _toward(tcp, target, grip, gain)
+    def _holds(self, obj) -> bool:
+        return bool(self.base.agent.is_grasping(obj)[0])
 
-    def _grip(self, tcp, grip, steps=6) -> np.ndarray:
-        self.waited += 1
-        if self.waited >= steps:
-            self.phase, self.waited = self.phase + 1, 0
-        return _toward(tcp, tcp, grip)
-
-    def _grasp(self, tcp, obj) -> np.ndarray | None:
-        """Phases 0-2: above `obj`, down to it, close the gripper; None once it holds it (phase 3 on)."""
-        if self.phase == 0:
-            return self._reach(tcp, obj + [0, 0, 0.05], OPEN)
-        if self.phase == 1:
-            return self._reach(tcp, obj, OPEN, tol=0.005)
-        if self.phase == 2:
-            return self._grip(tcp, CLOSED)
-        return None
+    @staticmethod
+    def _pick(tcp: np.ndarray, obj: np.ndarray) -> np.ndarray:
+        """Toward grasping the cube at `obj`: above it, open, while the gripper is off its vertical; down to it;
+        then close on it."""
+        if np.linalg.norm(tcp[:2] - obj[:2]) > 0.01:
+            return _toward(tcp, obj + [0, 0, 0.05], OPEN)
+        if tcp[2] > obj[2] + 0.005:
+            return _toward(tcp, obj, OPEN)
+        return _toward(tcp, obj, CLOSED)
 
 
 class PickCubeExpert(_Expert):
-    """Above the cube, down, close, carry it to the goal."""
+    """Grasp the cube; holding it, carry it to the goal."""
 
     def act(self) -> np.ndarray:
         b = self.base
         tcp, cube, goal = _p(b.agent.tcp), _p(b.cube), _p(b.goal_site)
-        grasping = self._grasp(tcp, cube)
-        return grasping if grasping is not None else _toward(tcp, goal, CLOSED)
+        return _toward(tcp, goal, CLOSED) if self._holds(b.cube) else self._pick(tcp, cube)
 
 
 class PushCubeExpert(_Expert):
-    """Behind the cube (the goal lies along +x), down to its height, push it onto the goal."""
+    """Behind the cube (the goal lies along +x) at its height, closed, then push it onto the goal; from above while
+    the gripper is not behind it."""
 
     def act(self) -> np.ndarray:
         b = self.base
         tcp, cube, goal = _p(b.agent.tcp), _p(b.obj), _p(b.goal_region)
         h = float(b.cube_half_size)
         behind = np.array([cube[0] - h - 0.02, cube[1], h])
-        if self.phase == 0:
-            return self._reach(tcp, behind + [0, 0, 0.05], CLOSED)
-        if self.phase == 1:
-            return self._reach(tcp, behind, CLOSED)
-        return _toward(tcp, np.array([goal[0] - h, goal[1], h]), CLOSED, gain=5.0)
+        if tcp[0] < cube[0] - h and abs(tcp[1] - cube[1]) < 0.02 and tcp[2] < h + 0.01:
+            return _toward(tcp, np.array([goal[0] - h, goal[1], h]), CLOSED, gain=5.0)
+        if np.linalg.norm(tcp[:2] - behind[:2]) > 0.01:
+            return _toward(tcp, behind + [0, 0, 0.05], CLOSED)
+        return _toward(tcp, behind, CLOSED)
 
 
 class StackCubeExpert(_Expert):
-    """Pick the red cube (A), lift it, bring it over the green one (B), lower it onto it, let go."""
+    """Grasp the red cube (A); holding it, up clear of the green one (B), over it, down onto it; A resting on B: let
+    go."""
 
     def act(self) -> np.ndarray:
         b = self.base
         tcp, a, bb = _p(b.agent.tcp), _p(b.cubeA), _p(b.cubeB)
         h = float(b.cube_half_size[-1])  # a tensor of the three half sizes
         on_b = bb + [0, 0, 2 * h]
-        grasping = self._grasp(tcp, a)
-        if grasping is not None:
-            return grasping
-        if self.phase == 3:  # straight up, clear of cube B
-            target = np.array([tcp[0], tcp[1], on_b[2] + 0.05])
-            if abs(tcp[2] - target[2]) < 0.01:
-                self.phase += 1
-            return _toward(tcp, target, CLOSED)
-        if self.phase == 4:
-            return self._reach(tcp, on_b + [0, 0, 0.03], CLOSED, tol=0.005)
-        if self.phase == 5:
-            if np.linalg.norm(a - on_b) < 0.004:
-                self.phase += 1
-            return _toward(tcp, on_b + [0, 0, 0.003], CLOSED, gain=5.0)
-        return _toward(tcp, tcp, OPEN)
+        if np.linalg.norm(a - on_b) < 0.004:
+            return _toward(tcp, tcp, OPEN)
+        if not self._holds(b.cubeA):
+            return self._pick(tcp, a)
+        if np.linalg.norm(tcp[:2] - on_b[:2]) > 0.01:  # not over B yet: up first, then across 3 cm above it
+            if tcp[2] < on_b[2] + 0.025:
+                return _toward(tcp, np.array([tcp[0], tcp[1], on_b[2] + 0.05]), CLOSED)
+            return _toward(tcp, on_b + [0, 0, 0.03], CLOSED)
+        return _toward(tcp, on_b + [0, 0, 0.003], CLOSED, gain=5.0)
 
 
 EXPERTS = {"PickCube-v1": PickCubeExpert, "PushCube-v1": PushCubeExpert, "StackCube-v1": StackCubeExpert}
