@@ -128,6 +128,30 @@ class SeededResets(gym.Wrapper):
         return self.env.reset(seed=seed, options=options)
 
 
+class NoGraspAtReset(gym.Wrapper):
+    """SAPIEN's CPU physics keeps the last step's contacts through a reset, so ManiSkill's `agent.is_grasping` went on
+    reporting the grasp that ended the previous episode until the next one's first step: in its first observation
+    (`is_grasped` 1) and to the experts, whose first action then carried a cube they did not hold. Every task here
+    resets the gripper open, away from the cubes: until the first step after a reset, the robot grasps nothing."""
+
+    def reset(self, **kwargs):
+        self._grasp_nothing()  # the agent the reset computes its observation with (a rebuilt scene has no contacts)
+        out = self.env.reset(**kwargs)
+        self._grasp_nothing()  # the agent after it: what an expert asks before the first step
+        return out
+
+    def step(self, action):
+        self.env.unwrapped.agent.__dict__.pop("is_grasping", None)  # the class's own, from the contacts of this step on
+        return self.env.step(action)
+
+    def _grasp_nothing(self) -> None:
+        import torch
+
+        agent = self.env.unwrapped.agent
+        grasping = type(agent).is_grasping
+        agent.is_grasping = lambda obj, *args, **kw: torch.zeros_like(grasping(agent, obj, *args, **kw))
+
+
 class SimplifiedVisuals(gym.Wrapper):
     """The scene's untextured visual meshes simplified to about `max_triangles` triangles per body (each link of the
     robot), by quadric decimation (fast-simplification, through trimesh), whenever the env builds its scene. The
@@ -255,7 +279,8 @@ def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = M
     if pixels:
         options["sensor_configs"] = dict(width=image_size, height=image_size)
     options.update(kwargs)
-    env = gym.make(env_id, num_envs=1, render_mode=render_mode, max_episode_steps=max_episode_steps, **options)
+    env = NoGraspAtReset(gym.make(env_id, num_envs=1, render_mode=render_mode, max_episode_steps=max_episode_steps,
+                                  **options))
     if pixels and render_triangles:
         env = SimplifiedVisuals(env, render_triangles)
     if pixels:  # ManiSkill's own flattening: {"rgb": the cameras' frames, "state": the rest}
