@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "behaviour cloning")
     dm.add_argument("task")
     dm.add_argument("-n", "--episodes", type=int, default=100, help="episodes, from reset seeds SEED, SEED + 1, ...")
-    dm.add_argument("--out", default=None, help="dataset directory (default: runs/demos/TASK)")
+    dm.add_argument("--out", default=None, help="dataset directory (default: runs/demos/TASK, with --pixels "
+                    "runs/demos/TASK-pixelsSIZE)")
     dm.add_argument("--seed", type=int, default=0, help="the first reset seed")
     dm.add_argument("--pixels", action="store_true", help="ManiSkill3: record what env.pixels=true shows a policy "
                                                           "(the task camera's frames, the proprioception, the "
@@ -243,7 +244,8 @@ def cmd_demos(args) -> int:
             maniskill.check_available()
     except (ImportError, RuntimeError) as e:
         raise UserError(f"demos: {e}") from None
-    out = args.out or os.path.join("runs", "demos", *args.task.split("/"))
+    task_dir = os.path.join(*args.task.split("/")) + (f"-pixels{args.image_size}" if args.pixels else "")
+    out = args.out or os.path.join("runs", "demos", task_dir)
     with progress() as bar:
         task = bar.add_task(f"{args.task} expert", total=args.episodes, info="")
         summary = experts.write_demos(args.task, args.episodes, out, seed=args.seed,

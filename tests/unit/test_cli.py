@@ -37,3 +37,19 @@ def test_demos_render_triangles_default_is_the_configs(seen):
 
     assert cli.main(["demos", "PickCube-v1", "--pixels"]) == 0
     assert seen["render_triangles"] == RENDER_TRIANGLES == EmbodiedConfig().env.render_triangles
+
+
+def test_pixel_demos_default_to_a_directory_of_their_own(monkeypatch, tmp_path, capsys):
+    """`m2flow demos TASK` writes runs/demos/TASK; with --pixels (another dataset of the same seeds) it must not land
+    there too: runs/demos/TASK-pixelsSIZE."""
+    from m2flow.embodied.envs import experts, maniskill
+
+    written = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(maniskill, "check_available", lambda: None)
+    monkeypatch.setattr(experts, "write_demos", lambda task, n, out, **kw: written.append(out) or {
+        "episodes": [{"length": 1, "success": True}], "success_rate": 1.0})
+    assert cli.main(["demos", "PickCube-v1", "-n", "1"]) == 0
+    assert cli.main(["demos", "PickCube-v1", "-n", "1", "--pixels", "--image-size", "128"]) == 0
+    assert cli.main(["demos", "PickCube-v1", "-n", "1", "--pixels", "--out", "mine"]) == 0
+    assert written == ["runs/demos/PickCube-v1", "runs/demos/PickCube-v1-pixels128", "mine"]
