@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -263,34 +264,32 @@ def _plain(v):
 
 
 def progress(enabled: bool = True):
-    """A rich progress bar (a no-op object when disabled). Where stderr is no terminal (a log file), rich would draw
-    nothing until the end: a plain line at each tenth of a task is printed there instead."""
-    import sys
-
+    """A rich progress bar on stderr (a no-op object when disabled). Where stderr is no terminal (a log file), rich
+    would draw nothing until the end: a plain line at each tenth of a task is printed there instead."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     class LogLines(Progress):
         """`Progress` whose updates print `description: done/total (elapsed) info` at each tenth of a task."""
 
+        def __init__(self, *columns):
+            super().__init__(*columns, disable=True)
+            self.tenths: dict = {}
+
         def update(self, task_id, **kwargs) -> None:
             super().update(task_id, **kwargs)
             task = self._tasks[task_id]
-            if not task.total:
-                return
-            tenth = int(10 * task.completed // task.total)
-            if tenth > self._tenths.get(task_id, -1):  # the first update prints: the task has started
-                self._tenths[task_id] = tenth
-                info = task.fields.get("info", "")
-                line = f"{task.description}: {task.completed:g}/{task.total:g} ({task.elapsed or 0:.0f} s) {info}"
+            tenth = int(10 * task.completed // task.total) if task.total else -1
+            if tenth > self.tenths.get(task_id, -1):  # the first update prints: the task has started
+                self.tenths[task_id] = tenth
+                line = f"{task.description}: {task.completed:g}/{task.total:g} ({task.elapsed or 0:.0f} s) " \
+                       f"{task.fields.get('info', '')}"
                 print(line.rstrip(), file=sys.stderr, flush=True)
 
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
     if enabled and not sys.stderr.isatty():
-        bar = LogLines(*columns, disable=True)
-        bar._tenths = {}
-        return bar
+        return LogLines(*columns)
     return Progress(*columns, disable=not enabled, transient=False, console=Console(stderr=True))
 
 
