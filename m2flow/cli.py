@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     dm.add_argument("task")
     dm.add_argument("-n", "--episodes", type=int, default=100, help="episodes, from reset seeds SEED, SEED + 1, ...")
     dm.add_argument("--out", default=None, help="dataset directory (default: runs/demos/TASK, with --pixels "
-                    "runs/demos/TASK-pixelsSIZE)")
+                    "runs/demos/TASK-pixelsSIZE, with --wrist-camera TASK-pixelsSIZE-wrist)")
     dm.add_argument("--seed", type=int, default=0, help="the first reset seed")
     dm.add_argument("--pixels", action="store_true", help="ManiSkill3: record what env.pixels=true shows a policy "
                                                           "(the task camera's frames, the proprioception, the "
@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     dm.add_argument("--image-size", type=int, default=64, help="--pixels: the frames' side (env.image_size)")
     dm.add_argument("--render-triangles", type=int, default=1000,  # maniskill.RENDER_TRIANGLES (a light CLI)
                     help="--pixels: visual triangles per body (env.render_triangles; 0: the meshes as shipped)")
+    dm.add_argument("--wrist-camera", action="store_true",
+                    help="--pixels: the hand camera's frames too, after the task camera's (env.wrist_camera)")
 
     pr = sub.add_parser("profile", help="time each component of a flow (reasoning or embodied) alone at several batch sizes")
     pr.add_argument("config", help="YAML file or preset name in configs/")
@@ -237,6 +239,8 @@ def cmd_demos(args) -> int:
                         f"not {args.task}'s")
     if args.pixels and not 36 <= args.image_size <= 2048:
         raise UserError(f"demos: --image-size must be in [36, 2048] (env.image_size's range), got {args.image_size}")
+    if args.wrist_camera and not args.pixels:
+        raise UserError("demos: --wrist-camera records the hand camera's frames: it needs --pixels")
     if args.render_triangles < 0:
         raise UserError(f"demos: --render-triangles must be >= 0 (env.render_triangles), got {args.render_triangles}")
     try:
@@ -244,13 +248,15 @@ def cmd_demos(args) -> int:
             maniskill.check_available()
     except (ImportError, RuntimeError) as e:
         raise UserError(f"demos: {e}") from None
-    task_dir = os.path.join(*args.task.split("/")) + (f"-pixels{args.image_size}" if args.pixels else "")
+    task_dir = os.path.join(*args.task.split("/")) + (f"-pixels{args.image_size}" if args.pixels else "") \
+        + ("-wrist" if args.wrist_camera else "")
     out = args.out or os.path.join("runs", "demos", task_dir)
     with progress() as bar:
         task = bar.add_task(f"{args.task} expert", total=args.episodes, info="")
         summary = experts.write_demos(args.task, args.episodes, out, seed=args.seed,
                                       progress=lambda done: bar.update(task, completed=done), pixels=args.pixels,
-                                      image_size=args.image_size, render_triangles=args.render_triangles)
+                                      image_size=args.image_size, render_triangles=args.render_triangles,
+                                      wrist_camera=args.wrist_camera)
     episodes = summary["episodes"]
     print(f"{len(episodes)} episodes of {args.task}: {summary['success_rate']:.0%} successful, "
           f"{sum(e['length'] for e in episodes)} steps; dataset: {out}")

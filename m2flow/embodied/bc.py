@@ -50,10 +50,11 @@ def bc_dataset(arrays: dict[str, np.ndarray], summary: dict, chunk: int = 1, gam
 
 
 def _datasets(demos: str, env_id: str, instruct: bool, pixels: bool = False, image_size: int = 64,
-              render_triangles: int = RENDER_TRIANGLES):
+              render_triangles: int = RENDER_TRIANGLES, wrist_camera: bool = False):
     """(summary, arrays) of each demonstration directory in `demos` (comma-separated), checked against the config's
-    `env_id` and observations (`pixels` at `image_size`, rendered with `render_triangles`), the observations as the
-    policy sees them (`instruct`: the instruction's words, then the state padded)."""
+    `env_id` and observations (`pixels` at `image_size`, rendered with `render_triangles`, the hand camera's frames
+    too with `wrist_camera`), the observations as the policy sees them (`instruct`: the instruction's words, then the
+    state padded)."""
     from .envs import maniskill
     from .envs.experts import load_demos
 
@@ -66,6 +67,8 @@ def _datasets(demos: str, env_id: str, instruct: bool, pixels: bool = False, ima
         flags = f" --pixels --image-size {image_size}" if pixels else ""
         if pixels and render_triangles != RENDER_TRIANGLES:
             flags += f" --render-triangles {render_triangles}"
+        if pixels and wrist_camera:
+            flags += " --wrist-camera"
         if theirs != (pixels, image_size if pixels else None):
             seen = f"pixels at {theirs[1]}x{theirs[1]}" if theirs[0] else "state observations"
             raise ValueError(f"{where}: demonstrations of {seen}, but the config observes "
@@ -77,6 +80,11 @@ def _datasets(demos: str, env_id: str, instruct: bool, pixels: bool = False, ima
             raise ValueError(f"{where}: demonstrations rendered with render_triangles={recorded}, but the config's "
                              f"env.render_triangles is {render_triangles} (the frames would differ; record them "
                              f"with `m2flow demos {summary['task']}{flags}`)")
+        recorded = bool(summary.get("wrist_camera", False))  # datasets from before env.wrist_camera had none
+        if pixels and recorded != wrist_camera:
+            raise ValueError(f"{where}: demonstrations {'with' if recorded else 'without'} the hand camera's frames, "
+                             f"but the config's env.wrist_camera is {str(wrist_camera).lower()} (record them with "
+                             f"`m2flow demos {summary['task']}{flags}`)")
         if instruct:
             arrays["obs"] = maniskill.instruction_obs(maniskill.tokenize(summary["instruction"]).astype(np.float32),
                                                       arrays["obs"])
@@ -85,13 +93,14 @@ def _datasets(demos: str, env_id: str, instruct: bool, pixels: bool = False, ima
 
 def demo_data(demos: str, env_id: str, instruct: bool = False, chunk: int = 1, gamma: float = 0.99,
               episodes: int | None = None, pixels: bool = False, image_size: int = 64,
-              render_triangles: int = RENDER_TRIANGLES) -> dict[str, torch.Tensor]:
+              render_triangles: int = RENDER_TRIANGLES, wrist_camera: bool = False) -> dict[str, torch.Tensor]:
     """`bc_dataset` of the demonstration directories `demos` (`m2flow demos`; comma-separated, one per task of a
     multi-task `env_id`), concatenated, their observations as the policy sees them (`instruct`: the instruction's
-    words, then the state padded; `pixels`: packed pixel rows at `image_size` rendered with `render_triangles`, which
-    the dataset must hold)."""
+    words, then the state padded; `pixels`: packed pixel rows at `image_size` rendered with `render_triangles`, with
+    the hand camera's frames when `wrist_camera`, which the dataset must hold)."""
     parts = [bc_dataset(arrays, summary, chunk=chunk, gamma=gamma, episodes=episodes)
-             for summary, arrays in _datasets(demos, env_id, instruct, pixels, image_size, render_triangles)]
+             for summary, arrays in _datasets(demos, env_id, instruct, pixels, image_size, render_triangles,
+                                              wrist_camera)]
     return {k: torch.cat([p[k] for p in parts]) if k != "episodes" else sum(p[k] for p in parts) for k in parts[0]}
 
 

@@ -30,7 +30,7 @@ def behaviour_clone(cfg: EmbodiedConfig, demos: str | Path, out: str | Path, ste
                          "observations the cloned policy never saw normalized); set env.norm_obs=false")
     data = demo_data(str(demos), cfg.env.id, cfg.env.instruct, cfg.env.chunk, cfg.algorithm.gamma, episodes,
                      pixels=cfg.env.pixels, image_size=cfg.env.image_size,
-                     render_triangles=cfg.env.render_triangles)
+                     render_triangles=cfg.env.render_triangles, wrist_camera=cfg.env.wrist_camera)
     group = make_env_group(cfg, 1, cfg.run.seed)
     policy = make_policy(cfg, group.observation_space, group.action_space)
     group.close()

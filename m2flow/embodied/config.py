@@ -61,6 +61,9 @@ class EnvConfig:
                                 "(the robot's links; quadric decimation, untextured meshes only), as small frames "
                                 "need; the software renderer's time per frame is in the triangles (0: as shipped)",
                                 within="[0, inf)")
+    wrist_camera: bool = opt(False, "ManiSkill3 pixels: a second frame from a camera on the robot's hand (ManiSkill's "
+                                    "panda_wristcam), after the task camera's: it shows how far the gripper is from "
+                                    "the cube along the task camera's axis, which that camera's frame hides")
     max_episode_steps: int | None = opt(None, "override the env's time limit (None: the registered one)",
                                         within="[1, inf)")
     instruct: bool = opt(False, "ManiSkill3: observations carry the task's instruction (word ids, then the state "
@@ -349,6 +352,10 @@ class EmbodiedConfig:
             if self.env.image_size % self.vla.patch:
                 raise ConfigError(f"env.image_size={self.env.image_size} must be a multiple of "
                                   f"vla.patch={self.vla.patch}")
+        if self.env.wrist_camera and not (self.env.pixels and maniskill):
+            raise ConfigError(f"env.wrist_camera=true adds a hand camera's frames to ManiSkill3's pixel observations: "
+                              f"it needs env.pixels=true and a ManiSkill3 env.id (got env.pixels={self.env.pixels}, "
+                              f"env.id={self.env.id})")
         if "," in self.env.id and self.env.seed_groups > 1:
             raise ConfigError("env.seed_groups > 1 with several tasks in env.id is not supported yet (a group of envs "
                               "sharing a reset seed would mix tasks)")

@@ -1,10 +1,11 @@
 """A tiny vision-language-action policy (`policy.kind=vla`) for ManiSkill3's pixel observations: the task camera's
-frame, the robot's proprioception and the task's instruction (m2flow.embodied.envs.maniskill.pixel_layout).
+frame (and the hand camera's, env.wrist_camera), the robot's proprioception and the task's instruction
+(m2flow.embodied.envs.maniskill.pixel_layout).
 
 The model is a small HF causal LM (Llama, sizes from the `vla` config section) over a prefix of embeddings: the
-frame's patches (a two-layer convolutional stem, one token per patch), the proprioception (one token), the
-instruction's words (one token each; padding masked out) and a learned readout token. Two action heads, as users of
-this field train VLAs:
+frames' patches (a two-layer convolutional stem the cameras share, one token per patch of each frame), the
+proprioception (one token), the instruction's words (one token each; padding masked out) and a learned readout
+token. Two action heads, as users of this field train VLAs:
 
 - `GaussianVLA` (`vla.head=gaussian`): the readout token's last hidden state feeds a Gaussian head over an action
   chunk and the value head, the ActorCritic interface PPO and GRPO use for every other policy.
@@ -46,14 +47,17 @@ class VLAEncoder(nn.Module):
                 raise ValueError(f"policy.kind=vla reads packed pixel observations with a {name!r} field "
                                  f"(env.pixels=true on a ManiSkill3 task), got fields {sorted(layout.fields)}")
         channels, size, _ = layout.fields["rgb"].shape
+        if channels % 3:
+            raise ValueError(f"policy.kind=vla reads RGB frames (3 channels each), got {channels} channels")
         if patch % 4 or size % patch:
             raise ValueError(f"vla.patch={patch} must be a multiple of 4 dividing env.image_size={size}")
         if dim % heads:
             raise ValueError(f"vla.dim={dim} must be a multiple of vla.heads={heads}")
-        self.layout, self.vocab = layout, vocab
-        self.vision = nn.Sequential(nn.Conv2d(channels, dim // 2, 4, stride=4), nn.GELU(),
+        self.layout, self.vocab, self.views = layout, vocab, channels // 3
+        # one stem for every camera's frame; each view's patches have their own position embeddings
+        self.vision = nn.Sequential(nn.Conv2d(3, dim // 2, 4, stride=4), nn.GELU(),
                                     nn.Conv2d(dim // 2, dim, patch // 4, stride=patch // 4))
-        self.patches = (size // patch) ** 2
+        self.patches = self.views * (size // patch) ** 2
         self.vision_pos = nn.Parameter(torch.zeros(1, self.patches, dim))
         self.state = nn.Linear(layout.fields["state"].shape[0], dim)
         self.words = nn.Embedding(vocab, dim, padding_idx=0)
@@ -75,7 +79,9 @@ class VLAEncoder(nn.Module):
         ids = x["instruction"].long()
         if ids.numel() and (ids.min() < 0 or ids.max() >= self.vocab):
             raise ValueError(f"VLA: word ids outside [0, {self.vocab}): not ManiSkill3 pixel observations")
-        frame = self.vision(x["rgb"].float() / 255.0).flatten(2).transpose(1, 2) + self.vision_pos
+        rgb = x["rgb"].reshape(b * self.views, 3, *x["rgb"].shape[2:])  # [B * views, 3, H, W]
+        frame = self.vision(rgb.float() / 255.0).flatten(2).transpose(1, 2).reshape(b, self.patches, -1)
+        frame = frame + self.vision_pos
         parts = [frame, self.state(x["state"].float())[:, None], self.words(ids), self.readout.expand(b, 1, -1)]
         mask = torch.cat([torch.ones(b, self.patches + 1, dtype=torch.long), (ids != 0).long(),
                           torch.ones(b, 1, dtype=torch.long)], 1)

@@ -41,7 +41,7 @@ def test_demos_render_triangles_default_is_the_configs(seen):
 
 def test_pixel_demos_default_to_a_directory_of_their_own(monkeypatch, tmp_path, capsys):
     """`m2flow demos TASK` writes runs/demos/TASK; with --pixels (another dataset of the same seeds) it must not land
-    there too: runs/demos/TASK-pixelsSIZE."""
+    there too: runs/demos/TASK-pixelsSIZE (-wrist with the hand camera's frames)."""
     from m2flow.embodied.envs import experts, maniskill
 
     written = []
@@ -52,4 +52,8 @@ def test_pixel_demos_default_to_a_directory_of_their_own(monkeypatch, tmp_path, 
     assert cli.main(["demos", "PickCube-v1", "-n", "1"]) == 0
     assert cli.main(["demos", "PickCube-v1", "-n", "1", "--pixels", "--image-size", "128"]) == 0
     assert cli.main(["demos", "PickCube-v1", "-n", "1", "--pixels", "--out", "mine"]) == 0
-    assert written == ["runs/demos/PickCube-v1", "runs/demos/PickCube-v1-pixels128", "mine"]
+    assert cli.main(["demos", "PickCube-v1", "-n", "1", "--pixels", "--wrist-camera"]) == 0
+    assert written == ["runs/demos/PickCube-v1", "runs/demos/PickCube-v1-pixels128", "mine",
+                       "runs/demos/PickCube-v1-pixels64-wrist"]
+    assert cli.main(["demos", "PickCube-v1", "-n", "1", "--wrist-camera"]) == 2
+    assert "demos: --wrist-camera records the hand camera's frames: it needs --pixels" in capsys.readouterr().err

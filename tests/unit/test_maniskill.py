@@ -129,6 +129,37 @@ def test_pixel_observations_are_the_task_cameras_frame_with_the_proprioception_a
     g.close()
 
 
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
+def test_a_wrist_camera_adds_the_hand_cameras_frame_which_follows_the_hand():
+    """env.wrist_camera: the rgb field holds the task camera's frame, then the hand camera's ([6, size, size]). The
+    hand camera moves with the gripper: lifting the hand changes its whole frame, while the task camera's shows the
+    arm move in a part of it. Without it, StackCube (whose ManiSkill default robot carries the hand camera) renders the
+    task camera alone; a wrist camera without pixels is refused."""
+    import torch
+
+    layout = maniskill.pixel_layout(48, wrist_camera=True)
+    assert layout.fields["rgb"].shape == (6, 48, 48)
+    env = maniskill.make("PickCube-v1", pixels=True, image_size=48, wrist_camera=True)
+    assert env.observation_space == layout.space()
+    before = layout.unpack(torch.from_numpy(env.reset(seed=2)[0][None]))["rgb"][0].int()
+    for _ in range(5):
+        obs = env.step(np.array([0.0, 0.0, 1.0, 1.0], np.float32))[0]
+    after = layout.unpack(torch.from_numpy(obs[None]))["rgb"][0].int()
+    task, hand = (after - before).abs()[:3], (after - before).abs()[3:]
+    assert before[:3].float().std() > 10 and before[3:].float().std() > 10  # two rendered scenes
+    assert (before[:3] - before[3:]).abs().float().mean() > 20  # from two viewpoints
+    changed = lambda d: (d.amax(0) > 30).float().mean().item()  # the share of pixels that changed
+    assert changed(hand) > 2 * changed(task) > 0.0  # measured: 27% of the hand frame's pixels, 9% of the task's
+    env.close()
+    stack = maniskill.make("StackCube-v1", pixels=True, image_size=48)
+    assert stack.observation_space == maniskill.pixel_layout(48).space()
+    stack.close()
+    with pytest.raises(ValueError, match="wrist_camera needs pixels"):
+        maniskill.make("PickCube-v1", wrist_camera=True)
+    with pytest.raises(ValueError, match=r"a wrist camera \(env.wrist_camera\) adds frames to the pixel observations"):
+        make_env_fns("PickCube-v1", 1, wrist_camera=True)
+
+
 def visual_triangles(env, prefix: str = "") -> dict[str, int]:
     """Triangles of each render body's meshes in the env's scene whose entity name starts with `prefix`."""
     import sapien
@@ -222,6 +253,11 @@ def test_pixel_demonstrations_hold_the_frames_and_the_state_datasets_actions(tmp
                                          r"env.render_triangles is 0 .*`m2flow demos PickCube-v1 --pixels --image-size "
                                          r"48 --render-triangles 0`"):
         demo_data(str(tmp_path / "px"), "PickCube-v1", pixels=True, image_size=48, render_triangles=0)
+    assert summary["wrist_camera"] is False
+    with pytest.raises(ValueError, match=r"demonstrations without the hand camera's frames, but the config's "
+                                         r"env.wrist_camera is true .*`m2flow demos PickCube-v1 --pixels --image-size "
+                                         r"48 --wrist-camera`"):
+        demo_data(str(tmp_path / "px"), "PickCube-v1", pixels=True, image_size=48, wrist_camera=True)
 
 
 def test_a_wrong_task_name_lists_the_tasks():

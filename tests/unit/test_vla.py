@@ -141,6 +141,32 @@ def test_the_gaussian_vlas_gradient_reaches_the_frame_the_words_and_the_state():
         assert not torch.allclose(policy.act(obs, True)[0], policy.act(other, True)[0])  # it reads its inputs
 
 
+def test_with_a_wrist_camera_the_vla_reads_both_frames_through_one_stem():
+    """env.wrist_camera: the rgb field holds two frames; the VLA encodes each with the same stem, into patch tokens
+    of their own (positions per view), so a change in either frame alone changes the action."""
+    layout = pixel_layout(SIZE, wrist_camera=True)
+    torch.manual_seed(0)
+    policy = GaussianVLA(layout, BOX, len(VOCAB), dim=16, layers=1, heads=2, patch=16)
+    one = tiny("gaussian")
+    assert policy.encoder.patches == 2 * one.encoder.patches == 8
+    assert policy.encoder.vision[0].weight.shape == one.encoder.vision[0].weight.shape  # a 3-channel stem
+    rng = np.random.default_rng(1)
+    obs = torch.from_numpy(np.stack([layout.pack(state=rng.normal(size=STATE_DIM).astype(np.float32),
+                                                 instruction=tokenize("push the cube to the goal region").astype(np.int32),
+                                                 rgb=rng.integers(0, 256, (6, SIZE, SIZE), dtype=np.uint8))
+                                     for _ in range(3)]))
+    with torch.no_grad():
+        base = policy.act(obs, True)[0]
+        for view in (slice(0, 3), slice(3, 6)):
+            other = obs.clone()
+            layout.unpack(other)["rgb"][:, view] = torch.from_numpy(rng.integers(0, 256, (3, 3, SIZE, SIZE),
+                                                                                 dtype=np.uint8))
+            assert not torch.allclose(policy.act(other, True)[0], base), view
+    with pytest.raises(ValueError, match="RGB frames \\(3 channels each\\), got 4 channels"):
+        GaussianVLA(PackedLayout([Field("state", "float32", (STATE_DIM,)), Field("instruction", "int32", (12,)),
+                                  Field("rgb", "uint8", (4, SIZE, SIZE))]), BOX, len(VOCAB), dim=16, heads=2)
+
+
 def test_make_policy_builds_the_vla_of_the_config():
     cfg = C.load(EmbodiedConfig, "ppo_pickcube", ["policy.kind=vla", "env.pixels=true", f"env.image_size={SIZE * 2}",
                                                    "vla.head=tokens", "vla.bins=16", "vla.dim=32"])
@@ -150,6 +176,11 @@ def test_make_policy_builds_the_vla_of_the_config():
         make_policy(cfg, spaces.Box(-1, 1, (42,), np.float32), BOX)
     with pytest.raises(ValueError, match="init_std_scale scales a Gaussian"):
         policy.scale_std(0.5)
+    wrist = C.load(EmbodiedConfig, "ppo_pickcube", ["policy.kind=vla", "env.pixels=true", f"env.image_size={SIZE * 2}",
+                                                     "env.wrist_camera=true", "vla.dim=32"])
+    assert make_policy(wrist, pixel_layout(SIZE * 2, True).space(), BOX).encoder.views == 2
+    with pytest.raises(ValueError, match=r"env.wrist_camera=True\), got"):
+        make_policy(wrist, pixel_layout(SIZE * 2).space(), BOX)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -159,6 +190,7 @@ def test_make_policy_builds_the_vla_of_the_config():
     (["env.pixels=true", "policy.kind=vla", "env.image_size=72"], r"env.image_size=72 must be a multiple of vla.patch"),
     (["env.pixels=true", "policy.kind=vla", "vla.head=beam"], r"vla.head must be gaussian \| tokens, got 'beam'"),
     (["env.pixels=true", "policy.kind=vla", "vla.dim=30"], r"vla.dim=30 must be a multiple of vla.heads=4"),
+    (["env.wrist_camera=true"], r"env.wrist_camera=true adds a hand camera's frames .* it needs env.pixels=true"),
 ])
 def test_vla_configs_that_cannot_run_fail_with_one_line(overrides, message):
     with pytest.raises(C.ConfigError, match=message):

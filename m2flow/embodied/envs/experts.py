@@ -14,7 +14,7 @@ and its demos are in joint-position control, to be converted by replaying them.
 A dataset is a directory: `demos.npz` (obs [T, D] float32, or with `pixels` the packed pixel rows [T, nbytes] uint8
 of `maniskill.pixel_layout`; actions [T, 4] float32, rewards [T] float32, episode [T] int32: each row's episode number)
 and `demos.json` (task, instruction, control mode, the observations' kind (`pixels`, `image_size`,
-`render_triangles`), and per episode its reset seed, length, success and return). The expert reads the simulator
+`render_triangles`, `wrist_camera`), and per episode its reset seed, length, success and return). The expert reads the simulator
 either way, so a pixel dataset's actions are the state dataset's for the same seeds.
 """
 
@@ -122,12 +122,13 @@ def check_task(env_id: str) -> None:
 
 
 def _make(env_id: str, max_episode_steps: int | None = None, pixels: bool = False, image_size: int = 64,
-          render_triangles: int = maniskill.RENDER_TRIANGLES) -> gym.Env:
+          render_triangles: int = maniskill.RENDER_TRIANGLES, wrist_camera: bool = False) -> gym.Env:
     if metaworld.is_metaworld(env_id):
         if pixels:
             raise ValueError(f"{env_id}: pixel demonstrations are recorded for the ManiSkill3 tasks only")
         return metaworld.make(env_id, max_episode_steps=max_episode_steps or metaworld.MAX_EPISODE_STEPS)
-    extra = dict(pixels=True, image_size=image_size, render_triangles=render_triangles) if pixels else {}
+    extra = dict(pixels=True, image_size=image_size, render_triangles=render_triangles,
+                 wrist_camera=wrist_camera) if pixels else {}
     return maniskill.make(env_id, max_episode_steps=max_episode_steps or maniskill.MAX_EPISODE_STEPS, **extra)
 
 
@@ -163,13 +164,16 @@ def run_expert(env_id: str, seed: int, env: gym.Env | None = None, max_episode_s
 
 
 def write_demos(env_id: str, episodes: int, out: str | Path, seed: int = 0, progress=None, pixels: bool = False,
-                image_size: int = 64, render_triangles: int = maniskill.RENDER_TRIANGLES) -> dict:
+                image_size: int = 64, render_triangles: int = maniskill.RENDER_TRIANGLES,
+                wrist_camera: bool = False) -> dict:
     """Run the expert from reset seeds seed, seed + 1, ... and write the dataset (module docstring) to `out`;
     `pixels`: the observations are the task camera's frames at `image_size` with the proprioception and the
-    instruction (what env.pixels=true shows a policy), the meshes at `render_triangles` (env.render_triangles).
+    instruction (what env.pixels=true shows a policy), the meshes at `render_triangles` (env.render_triangles), and
+    the hand camera's frames after the task camera's with `wrist_camera` (env.wrist_camera).
     `progress(i)` is called after each episode. Returns the JSON summary."""
     check_task(env_id)
-    env = _make(env_id, pixels=pixels, image_size=image_size, render_triangles=render_triangles)
+    env = _make(env_id, pixels=pixels, image_size=image_size, render_triangles=render_triangles,
+                wrist_camera=wrist_camera)
     runs = []
     for i in range(episodes):
         runs.append(run_expert(env_id, seed + i, env))
@@ -187,7 +191,8 @@ def write_demos(env_id: str, episodes: int, out: str | Path, seed: int = 0, prog
                "control_mode": metaworld.CONTROL_MODE if mw else maniskill.CONTROL_MODE,
                "max_episode_steps": (metaworld if mw else maniskill).MAX_EPISODE_STEPS,
                "pixels": pixels,
-               **({"image_size": image_size, "render_triangles": render_triangles} if pixels else {}),
+               **({"image_size": image_size, "render_triangles": render_triangles, "wrist_camera": wrist_camera}
+                  if pixels else {}),
                "expert": type(metaworld.expert(env_id)).__name__ if mw else EXPERTS[env_id].__name__,
                "success_rate": float(np.mean([r["success"] for r in runs])),
                "episodes": [{"seed": r["seed"], "length": r["length"], "success": r["success"],

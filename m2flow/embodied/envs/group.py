@@ -103,6 +103,7 @@ def make_env_fns(
     render_mode: str | None = None,
     image_size: int = 64,
     render_triangles: int = maniskill.RENDER_TRIANGLES,
+    wrist_camera: bool = False,
     **kwargs,
 ) -> list[Callable[[], gym.Env]]:
     """One constructor per env: `gym.make(env_id, render_mode, **kwargs)` (kwargs e.g. max_episode_steps=...).
@@ -110,13 +111,18 @@ def make_env_fns(
     Env i's action space is seeded with seed + i (reproducible random actions); reset seeds are given by the caller
     (`EnvGroup.reset`, or `vec.reset(seed=seed)` which seeds env i with seed + i). `pixels=True` wraps each env
     in `PixelObservation(image_size)`; MuJoCo envs then render at that size directly, headless through EGL; ManiSkill3's
-    scenes keep `render_triangles` visual triangles per body (maniskill.SimplifiedVisuals).
+    scenes keep `render_triangles` visual triangles per body (maniskill.SimplifiedVisuals), and `wrist_camera` adds
+    their hand camera's frames.
     """
     check_env_id(env_id)
+    if wrist_camera and not (pixels and maniskill.is_maniskill(env_id)):
+        raise ValueError(f"{env_id}: a wrist camera (env.wrist_camera) adds frames to the pixel observations of the "
+                         f"ManiSkill3 tasks ({', '.join(maniskill.TASKS)}, with pixels)")
     if maniskill.is_maniskill(env_id):  # SAPIEN, not a gym.make of the registry's defaults
         tasks = maniskill.task_ids(env_id)
         if pixels:  # the task camera's frames, packed with the proprioception and the instruction
-            kwargs = {**kwargs, "pixels": True, "image_size": image_size, "render_triangles": render_triangles}
+            kwargs = {**kwargs, "pixels": True, "image_size": image_size, "render_triangles": render_triangles,
+                      "wrist_camera": wrist_camera}
             kwargs.pop("instruct", None)  # a pixel observation carries the instruction always
         if len(tasks) > 1 and not kwargs.get("instruct") and not pixels:
             raise ValueError(f"{env_id}: several tasks in one env group need instruction observations (env.instruct="

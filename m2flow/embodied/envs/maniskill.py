@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 
 import gymnasium as gym
 import numpy as np
@@ -33,10 +34,21 @@ MAX_EPISODE_STEPS = 100
 VOCAB = ["<pad>", "<unk>", *sorted({w for text in TASKS.values() for w in text.split()})]
 INSTRUCTION_TOKENS = 12
 RENDER_TRIANGLES = 1000  # pixel observations: visual triangles per body the scene keeps (SimplifiedVisuals)
+# ManiSkill's Panda with a camera on its hand (env.wrist_camera): PickCube and PushCube do not list it among their
+# robots, so ManiSkill warns, but they run it as the Panda it is (only PickCube's dense reward differs: its
+# "stay still" term counts the fingers' velocities too, as for the robots it does not know)
+WRIST_CAMERA_ROBOT = "panda_wristcam"
 STATE_DIM = 48  # the largest of the tasks' states (StackCube's); the others are zero-padded to it
 EXTRA_HINT = "pip install 'm2flow[maniskill]' (make test installs it)"
 VULKAN_ERROR = ("ManiSkill3 needs a Vulkan device and found none (SAPIEN: 'failed to find a rendering device'); on "
                 "Debian 12 run `make vulkan` (Mesa's software Vulkan driver from bookworm-backports)")
+
+
+class _KnownRobotWarning(logging.Filter):
+    """Drops ManiSkill's warning that the wrist-camera Panda is not among a task's robots (WRIST_CAMERA_ROBOT)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(f"{WRIST_CAMERA_ROBOT} is not in the task's list")
 
 
 def is_maniskill(env_id: str) -> bool:
@@ -81,32 +93,37 @@ def instruction_obs(tokens: np.ndarray, states: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def pixel_layout(image_size: int) -> PackedLayout:
+def pixel_layout(image_size: int, wrist_camera: bool = False) -> PackedLayout:
     """A pixel observation's fields: `state` the robot's proprioception and what the task tells it (joint positions
     and velocities, the gripper's pose, whether it grasps, the goal where the task has one: not the objects' poses,
-    which the frame shows) zero-padded to STATE_DIM; `instruction` the task's word ids; `rgb` the task camera's frame
-    [3, image_size, image_size], channel first."""
+    which the frames show) zero-padded to STATE_DIM; `instruction` the task's word ids; `rgb` the task camera's frame
+    [3, image_size, image_size], channel first, then (`wrist_camera`) the hand camera's: [3 * views, size, size]."""
+    views = 2 if wrist_camera else 1
     return PackedLayout([Field("state", "float32", (STATE_DIM,)), Field("instruction", "int32", (INSTRUCTION_TOKENS,)),
-                         Field("rgb", "uint8", (3, image_size, image_size))])
+                         Field("rgb", "uint8", (3 * views, image_size, image_size))])
 
 
 class PixelObservation(gym.ObservationWrapper):
-    """ManiSkill's {"rgb": [H, W, 3], "state": [D]} (its FlattenRGBDObservationWrapper, unbatched) with the task's
-    instruction, as one packed row of `pixel_layout(image_size)`."""
+    """ManiSkill's {"rgb": [H, W, 3 * views], "state": [D]} (its FlattenRGBDObservationWrapper, unbatched: the
+    cameras' frames side by side in the channels) with the task's instruction, as one packed row of
+    `pixel_layout(image_size, wrist_camera)`."""
 
-    def __init__(self, env: gym.Env, text: str, image_size: int):
+    def __init__(self, env: gym.Env, text: str, image_size: int, wrist_camera: bool = False):
         super().__init__(env)
-        self.layout, self.tokens = pixel_layout(image_size), tokenize(text).astype(np.int32)
+        self.layout, self.tokens = pixel_layout(image_size, wrist_camera), tokenize(text).astype(np.int32)
         state = env.observation_space["state"].shape[0]
         if state > STATE_DIM:
             raise ValueError(f"{text!r}: a state of {state} numbers does not fit STATE_DIM={STATE_DIM}")
+        rgb, expected = env.observation_space["rgb"].shape, self.layout.fields["rgb"].shape
+        if (rgb[-1], *rgb[:2]) != expected:
+            raise ValueError(f"{text!r}: the cameras give frames {rgb}, expected {expected} channel last")
         self.observation_space = self.layout.space()
 
     def observation(self, obs):
         state = np.zeros(STATE_DIM, np.float32)
         state[:len(obs["state"])] = obs["state"]
         return self.layout.pack(state=state, instruction=self.tokens,
-                                rgb=np.ascontiguousarray(np.moveaxis(obs["rgb"][..., :3], -1, 0)))
+                                rgb=np.ascontiguousarray(np.moveaxis(obs["rgb"], -1, 0)))
 
 
 class SeededResets(gym.Wrapper):
@@ -240,6 +257,13 @@ def instruction(env_id: str) -> str:
     return TASKS[env_id]
 
 
+@functools.cache  # once per process
+def _quiet_about_the_wrist_camera() -> None:
+    from mani_skill import logger  # its name is "mani_skill " (a trailing space): the package's own object
+
+    logger.addFilter(_KnownRobotWarning())
+
+
 @functools.cache  # once per process (each env's constructor asks): only a success is kept
 def check_available() -> None:
     """Raise a one-line error when the extra is missing or no Vulkan device is found."""
@@ -258,19 +282,24 @@ def check_available() -> None:
 
 def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = MAX_EPISODE_STEPS,
          instruct: bool = False, ignore_terminations: bool = False, pixels: bool = False, image_size: int = 64,
-         render_triangles: int = RENDER_TRIANGLES, **kwargs) -> gym.Env:
+         render_triangles: int = RENDER_TRIANGLES, wrist_camera: bool = False, **kwargs) -> gym.Env:
     """One ManiSkill3 env on the CPU backend, as a standard gymnasium env: numpy arrays, no batch dimension
     (`CPUGymWrapper`). obs [D] float32 (42 for PickCube), actions [4] in [-1, 1]; `info["success"]` at every step.
     An episode terminates when the task succeeds and is truncated after `max_episode_steps`.
     `instruct`: observations carry the task's instruction (`InstructionObservation`). `pixels`: the task camera
     renders at image_size x image_size and the observation is its frame with the proprioception and the instruction
     (`PixelObservation`; the instruction is always there), with the visual meshes simplified to `render_triangles`
-    per body (`SimplifiedVisuals`; 0: as shipped). `ignore_terminations`: an episode runs to its step limit
+    per body (`SimplifiedVisuals`; 0: as shipped); `wrist_camera`: a second frame from a camera on the hand
+    (ManiSkill's `panda_wristcam`, the same Panda with a camera mount), after the task camera's. `ignore_terminations`: an episode runs to its step limit
     whatever happens (ManiSkill's own option; its PPO baseline trains so), and a dense reward keeps paying for staying
     at the goal, where ending on success would stop it."""
     text = instruction(env_id)
+    if wrist_camera and not pixels:
+        raise ValueError("a wrist camera's frames are pixel observations: wrist_camera needs pixels")
     check_available()
     import mani_skill.envs  # noqa: F401  (registers the tasks)
+
+    _quiet_about_the_wrist_camera()
     from mani_skill.utils.wrappers.flatten import FlattenRGBDObservationWrapper
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
@@ -278,6 +307,8 @@ def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = M
                    render_backend="none" if render_mode is None and not pixels else "cpu")
     if pixels:
         options["sensor_configs"] = dict(width=image_size, height=image_size)
+    if pixels:  # StackCube's default robot carries the hand camera: a pixel env renders the cameras asked for
+        options["robot_uids"] = WRIST_CAMERA_ROBOT if wrist_camera else "panda"
     options.update(kwargs)
     env = NoGraspAtReset(gym.make(env_id, num_envs=1, render_mode=render_mode, max_episode_steps=max_episode_steps,
                                   **options))
@@ -287,5 +318,5 @@ def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = M
         env = FlattenRGBDObservationWrapper(env, rgb=True, depth=False, state=True)
     env = SeededResets(CPUGymWrapper(env, ignore_terminations=ignore_terminations))
     if pixels:
-        return PixelObservation(env, text, image_size)
+        return PixelObservation(env, text, image_size, wrist_camera)
     return InstructionObservation(env, text) if instruct else env

@@ -208,7 +208,8 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
         a = cfg.actor
         self.demos = DemoTerm(demo_data(a.bc_demos, cfg.env.id, cfg.env.instruct, cfg.env.chunk,
                                         pixels=cfg.env.pixels, image_size=cfg.env.image_size,
-                                        render_triangles=cfg.env.render_triangles), a.minibatch_size,
+                                        render_triangles=cfg.env.render_triangles,
+                                        wrist_camera=cfg.env.wrist_camera), a.minibatch_size,
                               cfg.run.seed + 777 + self.rank) if a.bc_coef > 0 else None
 
     def train(self, inp, step: int, producers: int | None = None) -> dict:

@@ -37,7 +37,7 @@ def make_env_group(cfg, num_envs: int, seed: int, training: bool = True, render_
     if e.instruct:
         kwargs["instruct"] = True
     fns = make_env_fns(e.id, num_envs, seed, pixels=e.pixels, render_mode=render_mode, image_size=e.image_size,
-                       render_triangles=e.render_triangles, **kwargs)
+                       render_triangles=e.render_triangles, wrist_camera=e.wrist_camera, **kwargs)
     if wrap is not None:
         fns = [wrap(i, fn) for i, fn in enumerate(fns)]
     return EnvGroup(fns, env_id=e.id, seed=seed, seed_groups=seed_groups or e.seed_groups, norm_obs=e.norm_obs,

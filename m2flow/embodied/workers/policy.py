@@ -46,13 +46,14 @@ def make_policy(cfg, obs_space, action_space) -> ActorCritic | SquashedGaussianA
 
 
 def _make_vla(cfg, obs_space, action_space) -> GaussianVLA | TokenVLA:
-    """policy.kind=vla on ManiSkill3's packed pixel observations (`pixel_layout(env.image_size)`)."""
+    """policy.kind=vla on ManiSkill3's packed pixel observations (`pixel_layout(env.image_size, env.wrist_camera)`)."""
     from m2flow.embodied.envs.maniskill import VOCAB, pixel_layout
 
-    layout, v = pixel_layout(cfg.env.image_size), cfg.vla
+    layout, v = pixel_layout(cfg.env.image_size, cfg.env.wrist_camera), cfg.vla
     if tuple(obs_space.shape) != (layout.nbytes,) or obs_space.dtype != np.uint8:
         raise ValueError(f"policy.kind=vla reads packed pixel rows [{layout.nbytes}] uint8 (env.pixels=true, "
-                         f"env.image_size={cfg.env.image_size}), got {obs_space}")
+                         f"env.image_size={cfg.env.image_size}, env.wrist_camera={cfg.env.wrist_camera}), got "
+                         f"{obs_space}")
     with torch.random.fork_rng():
         torch.manual_seed(cfg.run.seed)
         return build_vla(layout, action_space, len(VOCAB), v.head, chunk=cfg.env.chunk,
