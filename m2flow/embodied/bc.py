@@ -80,6 +80,10 @@ def _datasets(demos: str, env_id: str, instruct: bool, pixels: bool = False, ima
             raise ValueError(f"{where}: demonstrations rendered with render_triangles={recorded}, but the config's "
                              f"env.render_triangles is {render_triangles} (the frames would differ; record them "
                              f"with `m2flow demos {summary['task']}{flags}`)")
+        if pixels and summary.get("joint_velocities", True):  # pixel datasets from before 2026-12-06 held them
+            raise ValueError(f"{where}: demonstrations whose proprioception holds the joints' velocities, which pixel "
+                             f"observations no longer do (record them again with `m2flow demos "
+                             f"{summary['task']}{flags}`)")
         recorded = bool(summary.get("wrist_camera", False))  # datasets from before env.wrist_camera had none
         if pixels and recorded != wrist_camera:
             raise ValueError(f"{where}: demonstrations {'with' if recorded else 'without'} the hand camera's frames, "

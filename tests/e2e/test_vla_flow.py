@@ -1,7 +1,7 @@
 """The VLA from pixels through the embodied flow on ManiSkill3 (issue 70): the task camera's frames, packed with the
 proprioception and the instruction, go from the env workers through the policy workers and the trajectory channel
-to the actor; PPO trains the Gaussian head and GRPO the action-token head for a few iterations with the simulator's
-success in the metrics; the checkpoint evaluates with `m2flow eval`; lockstep and pipelined plans collect the same
+to the actor; PPO trains the Gaussian head and GRPO the action-token head (with the hand camera's frames too) for a
+few iterations with the simulator's success in the metrics; the checkpoint evaluates with `m2flow eval`; lockstep and pipelined plans collect the same
 trajectories for a fixed seed."""
 
 import json
@@ -32,7 +32,7 @@ def pixel_cfg(tmp_path, name, *overrides):
 def test_ppo_and_grpo_train_a_vla_from_pixels_and_its_checkpoint_evaluates(cluster, tmp_path):
     for name, extra in (("ppo", ["cluster.placement=env,rollout: 0; actor: 1"]),
                         ("grpo", ["algorithm.name=grpo", "env.seed_groups=2", "vla.head=tokens", "vla.bins=16",
-                                  "cluster.placement=env,rollout,actor: 0-1"])):
+                                  "cluster.placement=env,rollout,actor: 0-1", "env.wrist_camera=true"])):
         result = train(pixel_cfg(tmp_path, name, *extra), cluster)
         rows = [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
         assert [r["step"] for r in rows] == [1, 2] and rows[-1]["env_steps"] == 2 * 4 * 8, name
@@ -46,6 +46,8 @@ def test_ppo_and_grpo_train_a_vla_from_pixels_and_its_checkpoint_evaluates(clust
         first, second = (load_file(str(ckpt / f"step_{k}" / "policy.safetensors")) for k in (1, 2))
         key = "encoder.vision.0.weight"
         assert first[key].shape[1] == 3 and not torch.equal(first[key], second[key]), name
+        views = 2 if name == "grpo" else 1  # GRPO's run sees the hand camera's frames too (env.wrist_camera)
+        assert first["encoder.vision_pos"].shape[1] == views * (48 // 16) ** 2, name
         out = evaluate(str(tmp_path / name), episodes=2)  # `m2flow eval RUN_DIR`
         assert out["episodes"] == 2 and out["length_mean"] == 8 and 0.0 <= out["success_rate"] <= 1.0, name
 

@@ -105,8 +105,8 @@ def test_an_unseeded_reset_follows_the_envs_own_seed_not_torchs_global_rng():
 @pytest.mark.parametrize("task", ["PickCube-v1", "PushCube-v1"])
 def test_pixel_observations_are_the_task_cameras_frame_with_the_proprioception_and_the_instruction(task):
     """env.pixels on ManiSkill3: each observation is one packed row of `pixel_layout(image_size)`: the task camera's
-    RGB frame at that size, the state ManiSkill gives beside its frames (no object pose) zero-padded, the task's
-    word ids. The frame changes as the arm moves; a reset from the same seed gives the same row."""
+    RGB frame at that size, the state ManiSkill gives beside its frames (no object pose) but the joints' velocities,
+    zero-padded, the task's word ids. The frame changes as the arm moves; a reset from the same seed gives the same row."""
     import torch
 
     g = EnvGroup(make_env_fns(task, 2, seed=0, pixels=True, image_size=48), env_id=task)
@@ -119,7 +119,8 @@ def test_pixel_observations_are_the_task_cameras_frame_with_the_proprioception_a
     assert rgb.shape == (2, 3, 48, 48) and rgb.std() > 10  # a rendered scene, not a blank frame
     assert fields["instruction"][0].tolist() == maniskill.tokenize(maniskill.instruction(task)).tolist()
     used = np.flatnonzero(np.abs(state).max(0) > 0)
-    assert 18 <= used.max() + 1 < 42 and not state[:, 42:].any()  # proprioception, not the state obs' 42 (PickCube)
+    # the joints' positions (9) and the gripper's pose (7), PickCube's grasp flag and goal (4): no velocities
+    assert used.max() + 1 == {"PickCube-v1": 20, "PushCube-v1": 16}[task] and not state[:, 20:].any()
     moved = obs
     for _ in range(5):
         moved = g.step(np.tile([[1.0, 0.0, 1.0, -1.0]], (2, 1)).astype(np.float32)).obs
@@ -253,11 +254,17 @@ def test_pixel_demonstrations_hold_the_frames_and_the_state_datasets_actions(tmp
                                          r"env.render_triangles is 0 .*`m2flow demos PickCube-v1 --pixels --image-size "
                                          r"48 --render-triangles 0`"):
         demo_data(str(tmp_path / "px"), "PickCube-v1", pixels=True, image_size=48, render_triangles=0)
-    assert summary["wrist_camera"] is False
+    assert summary["wrist_camera"] is False and summary["joint_velocities"] is False
     with pytest.raises(ValueError, match=r"demonstrations without the hand camera's frames, but the config's "
                                          r"env.wrist_camera is true .*`m2flow demos PickCube-v1 --pixels --image-size "
                                          r"48 --wrist-camera`"):
         demo_data(str(tmp_path / "px"), "PickCube-v1", pixels=True, image_size=48, wrist_camera=True)
+    summary["joint_velocities"] = True  # as pixel datasets recorded before 2026-12-06 were
+    (tmp_path / "px" / "demos.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match=r"demonstrations whose proprioception holds the joints' velocities, which "
+                                         r"pixel observations no longer do \(record them again with `m2flow demos "
+                                         r"PickCube-v1 --pixels --image-size 48`\)"):
+        demo_data(str(tmp_path / "px"), "PickCube-v1", pixels=True, image_size=48)
 
 
 def test_a_wrong_task_name_lists_the_tasks():

@@ -94,9 +94,9 @@ def instruction_obs(tokens: np.ndarray, states: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def pixel_layout(image_size: int, wrist_camera: bool = False) -> PackedLayout:
-    """A pixel observation's fields: `state` the robot's proprioception and what the task tells it (joint positions
-    and velocities, the gripper's pose, whether it grasps, the goal where the task has one: not the objects' poses,
-    which the frames show) zero-padded to STATE_DIM; `instruction` the task's word ids; `rgb` the task camera's frame
+    """A pixel observation's fields: `state` the robot's proprioception and what the task tells it (joint positions,
+    the gripper's pose, whether it grasps, the goal where the task has one: not the objects' poses, which the frames
+    show, nor the joints' velocities, `frames_and_proprioception`) zero-padded to STATE_DIM; `instruction` the task's word ids; `rgb` the task camera's frame
     [3, image_size, image_size], channel first, then (`wrist_camera`) the hand camera's: [3 * views, size, size]."""
     views = 2 if wrist_camera else 1
     return PackedLayout([Field("state", "float32", (STATE_DIM,)), Field("instruction", "int32", (INSTRUCTION_TOKENS,)),
@@ -124,6 +124,26 @@ class PixelObservation(gym.ObservationWrapper):
         state[:len(obs["state"])] = obs["state"]
         return self.layout.pack(state=state, instruction=self.tokens,
                                 rgb=np.ascontiguousarray(np.moveaxis(obs["rgb"], -1, 0)))
+
+
+def frames_and_proprioception(env: gym.Env) -> gym.Env:
+    """ManiSkill's own flattening of an rgb observation ({"rgb": the cameras' frames side by side in the channels,
+    "state": the rest, flat}, its FlattenRGBDObservationWrapper), without the joints' velocities.
+
+    Why not the velocities: the scripted expert's motions are smooth, so the arm's velocity at a step tells much of
+    the action the expert takes at it, whatever the frames show. A clone from pixels learns that shortcut instead of
+    where the cube is (what imitation learning calls the copycat problem: it repeats its last motion and, from a
+    standstill at a reset, never starts toward the cube): on PickCube with the hand camera, 300 demonstrations, the
+    same fit, 1 of 30 held-out episodes succeeded with the velocities, 19 of 30 without them (docs/results/vla.md,
+    2026-12-06). The joints' positions stay: they tell the arm's posture, not its motion."""
+    from mani_skill.utils.wrappers.flatten import FlattenRGBDObservationWrapper
+
+    class FramesAndProprioception(FlattenRGBDObservationWrapper):
+        def observation(self, observation: dict):
+            observation["agent"] = {k: v for k, v in observation["agent"].items() if k != "qvel"}
+            return super().observation(observation)
+
+    return FramesAndProprioception(env, rgb=True, depth=False, state=True)
 
 
 class SeededResets(gym.Wrapper):
@@ -300,7 +320,6 @@ def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = M
     import mani_skill.envs  # noqa: F401  (registers the tasks)
 
     _quiet_about_the_wrist_camera()
-    from mani_skill.utils.wrappers.flatten import FlattenRGBDObservationWrapper
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
     options = dict(obs_mode="rgb" if pixels else "state", sim_backend="physx_cpu", control_mode=CONTROL_MODE,
@@ -314,8 +333,8 @@ def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = M
                                   **options))
     if pixels and render_triangles:
         env = SimplifiedVisuals(env, render_triangles)
-    if pixels:  # ManiSkill's own flattening: {"rgb": the cameras' frames, "state": the rest}
-        env = FlattenRGBDObservationWrapper(env, rgb=True, depth=False, state=True)
+    if pixels:  # {"rgb": the cameras' frames, "state": the rest but the joints' velocities}
+        env = frames_and_proprioception(env)
     env = SeededResets(CPUGymWrapper(env, ignore_terminations=ignore_terminations))
     if pixels:
         return PixelObservation(env, text, image_size, wrist_camera)
