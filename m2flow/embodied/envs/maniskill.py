@@ -96,8 +96,9 @@ def instruction_obs(tokens: np.ndarray, states: np.ndarray) -> np.ndarray:
 def pixel_layout(image_size: int, wrist_camera: bool = False) -> PackedLayout:
     """A pixel observation's fields: `state` the robot's proprioception and what the task tells it (joint positions,
     the gripper's pose, whether it grasps, the goal where the task has one: not the objects' poses, which the frames
-    show, nor the joints' velocities, `frames_and_proprioception`) zero-padded to STATE_DIM; `instruction` the task's word ids; `rgb` the task camera's frame
-    [3, image_size, image_size], channel first, then (`wrist_camera`) the hand camera's: [3 * views, size, size]."""
+    show, nor the joints' velocities, `frames_and_proprioception`) zero-padded to STATE_DIM; `instruction` the task's
+    word ids; `rgb` the task camera's frame [3, image_size, image_size], channel first, then (`wrist_camera`) the
+    hand camera's: [3 * views, image_size, image_size]."""
     views = 2 if wrist_camera else 1
     return PackedLayout([Field("state", "float32", (STATE_DIM,)), Field("instruction", "int32", (INSTRUCTION_TOKENS,)),
                          Field("rgb", "uint8", (3 * views, image_size, image_size))])
@@ -134,8 +135,9 @@ def frames_and_proprioception(env: gym.Env) -> gym.Env:
     the action the expert takes at it, whatever the frames show. A clone from pixels learns that shortcut instead of
     where the cube is (what imitation learning calls the copycat problem: it repeats its last motion and, from a
     standstill at a reset, never starts toward the cube): on PickCube with the hand camera, 300 demonstrations, the
-    same fit, 1 of 30 held-out episodes succeeded with the velocities, 19 of 30 without them (docs/results/vla.md,
-    2026-12-06). The joints' positions stay: they tell the arm's posture, not its motion."""
+    same fit, 1 of 30 held-out episodes succeeded with the velocities, 19 of 30 with them zeroed, 29 of 30 with them
+    left out as here (docs/results/vla.md, 2026-12-06). The joints' positions stay: they tell the arm's posture, not
+    its motion."""
     from mani_skill.utils.wrappers.flatten import FlattenRGBDObservationWrapper
 
     class FramesAndProprioception(FlattenRGBDObservationWrapper):
@@ -310,17 +312,18 @@ def make(env_id: str, render_mode: str | None = None, max_episode_steps: int = M
     renders at image_size x image_size and the observation is its frame with the proprioception and the instruction
     (`PixelObservation`; the instruction is always there), with the visual meshes simplified to `render_triangles`
     per body (`SimplifiedVisuals`; 0: as shipped); `wrist_camera`: a second frame from a camera on the hand
-    (ManiSkill's `panda_wristcam`, the same Panda with a camera mount), after the task camera's. `ignore_terminations`: an episode runs to its step limit
-    whatever happens (ManiSkill's own option; its PPO baseline trains so), and a dense reward keeps paying for staying
-    at the goal, where ending on success would stop it."""
+    (ManiSkill's `panda_wristcam`, the same Panda with a camera mount), after the task camera's.
+    `ignore_terminations`: an episode runs to its step limit whatever happens (ManiSkill's own option; its PPO
+    baseline trains so), and a dense reward keeps paying for staying at the goal, where ending on success would stop
+    it."""
     text = instruction(env_id)
     if wrist_camera and not pixels:
         raise ValueError("a wrist camera's frames are pixel observations: wrist_camera needs pixels")
     check_available()
     import mani_skill.envs  # noqa: F401  (registers the tasks)
+    from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
     _quiet_about_the_wrist_camera()
-    from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
     options = dict(obs_mode="rgb" if pixels else "state", sim_backend="physx_cpu", control_mode=CONTROL_MODE,
                    render_backend="none" if render_mode is None and not pixels else "cpu")
