@@ -1,8 +1,16 @@
 """The VLA from pixels on ManiSkill3 (issue 70): the rollout's env steps per second in each plan, with the simulator's
-and renderer's time beside the VLA's inference time, measured with the real flow. Prints a table; asserts nothing.
+and renderer's time beside the VLA's inference time, measured with the real flow; and (--success) its success, the
+clone's against PPO's from it. Prints tables; asserts nothing.
 
     python benchmarks/vla.py [--envs 12] [--horizon 20] [--iterations 5] [--reps 3] [overrides ...]
     python benchmarks/vla.py --plans 'env,rollout,actor: all@2|env: 0; rollout: 1; actor: all@2'
+    python benchmarks/vla.py --success [--clone 60] [--seeds 0,1] [overrides of the PPO runs ...]
+
+--success runs the CLI a user would, printing each command: `m2flow demos TASK --pixels --wrist-camera` (once),
+behaviour cloning of the first `--clone` demonstrations (`m2flow sft vla_pickcube`), then PPO from the clone
+(`m2flow train vla_pickcube policy.init=...`) once per RL seed; each scored by the same deterministic evaluation
+(`--episodes` held-out reset seeds). It writes OUT/success_TASK/row.json (the clone's success, each seed's success,
+env steps, wall time, env steps/s and load) and prints the table.
 
 Each plan (`placement@pipeline_stages`) trains `--iterations` PPO iterations of ppo_pickcube with `env.pixels=true
 policy.kind=vla` (the vla section's default sizes, 64x64 frames); the plans run interleaved, `--reps` rounds of
@@ -54,6 +62,45 @@ def run_plan(plan: str, args, out: Path, rep: int) -> dict:
             "load": os.getloadavg()[0]}
 
 
+def success(args) -> None:
+    """--success: the clone's deterministic success against PPO's from it, per RL seed (module docstring)."""
+    import shlex
+
+    from manipulation import M2FLOW, LoadSampler, rl_figures, sh  # benchmarks/: the manipulation table's helpers
+
+    out = Path(args.out) / f"success_{args.task}"
+    out.mkdir(parents=True, exist_ok=True)
+    demos = out / "demos"
+    if not (demos / "demos.json").exists():
+        sh([M2FLOW, "demos", args.task, "-n", str(args.demos), "--pixels", "--wrist-camera", "--out", str(demos)],
+           out / "demos.log")
+    common = [f"env.id={args.task}", f"eval.episodes={args.episodes}"]
+    bc = out / f"bc{args.clone}"
+    if not (bc / "eval.json").exists():
+        sh([M2FLOW, "sft", "vla_pickcube", str(bc), "--demos", str(demos), "--demo-episodes", str(args.clone),
+            "--steps", str(args.bc_steps), "--batch-size", "128", *common], out / f"bc{args.clone}.log")
+    row = {"task": args.task, "demo_episodes": args.clone,
+           "bc": json.loads((bc / "eval.json").read_text())["success_rate"], "ppo": {}}
+    for seed in args.seeds.split(","):
+        name = f"ppo_bc{args.clone}_seed{seed}"
+        cmd = [M2FLOW, "train", "vla_pickcube", *common, f"policy.init={bc}", f"run.seed={seed}", f"run.dir={out}",
+               f"run.name={name}", "run.overwrite=true", *args.overrides]
+        with LoadSampler() as load:
+            seconds = sh(cmd, out / f"{name}.log")
+        row["ppo"][seed] = {**rl_figures(out / name), "wall_s": round(seconds), "load": load.summary(),
+                            "command": shlex.join(["m2flow", *cmd[1:]])}
+    (out / "row.json").write_text(json.dumps(row, indent=1) + "\n")
+    print(f"\n{args.task}: clone of {args.clone} demonstrations {row['bc']:.0%} deterministic success on "
+          f"{args.episodes} held-out episodes\n")
+    print("| RL seed | after PPO | lift | env steps | wall s | env steps/s | load |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for seed, r in row["ppo"].items():
+        print(f"| {seed} | {r['success']:.0%} | {100 * (r['success'] - row['bc']):+.0f} points | {r['env_steps']:,} "
+              f"| {r['wall_s']} | {r['env_steps_per_s']:.0f} | {r['load']} |")
+    for seed, r in row["ppo"].items():
+        print(f"seed {seed}: {r['command']}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--envs", type=int, default=12)
@@ -62,8 +109,19 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="interleaved rounds of every plan")
     p.add_argument("--plans", default="|".join(PLANS), help="'placement@stages|...', auto: cluster.placement=auto")
     p.add_argument("--out", default="runs/bench_vla")
-    p.add_argument("overrides", nargs="*", help="config overrides for every run (vla.*, env.image_size, ...)")
+    p.add_argument("--success", action="store_true", help="instead: the clone's success against PPO's from it")
+    p.add_argument("--task", default="PickCube-v1", help="--success: the ManiSkill3 task")
+    p.add_argument("--demos", type=int, default=300, help="--success: demonstrations recorded")
+    p.add_argument("--clone", type=int, default=60, help="--success: the first N demonstrations cloned")
+    p.add_argument("--bc-steps", type=int, default=1500, help="--success: behaviour cloning's Adam steps (of 128)")
+    p.add_argument("--seeds", default="0,1", help="--success: the RL runs' seeds (run.seed)")
+    p.add_argument("--episodes", type=int, default=100, help="--success: deterministic held-out episodes")
+    p.add_argument("overrides", nargs="*", help="config overrides for every run (vla.*, env.image_size, ...; "
+                                                "--success: of the PPO runs)")
     args = p.parse_args()
+    if args.success:
+        success(args)
+        return
     out = Path(args.out)
     plans = args.plans.split("|")
     got: dict[str, list[dict]] = {plan: [] for plan in plans}
