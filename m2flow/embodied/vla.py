@@ -8,12 +8,14 @@ proprioception (one token), the instruction's words (one token each; padding mas
 token. Two action heads, as users of this field train VLAs:
 
 - `GaussianVLA` (`vla.head=gaussian`): the readout token's last hidden state feeds a Gaussian head over an action
-  chunk and the value head, the ActorCritic interface PPO and GRPO use for every other policy.
+  chunk and, its gradient stopped, the value head (`critic_head`), the ActorCritic interface PPO and GRPO use for
+  every other policy.
 - `TokenVLA` (`vla.head=tokens`): OpenVLA's discrete actions. Each action dimension is cut into `vla.bins` equal bins
   over the action space's bounds; a chunk of k actions of A dimensions is k x A action tokens, which the LM's head
   decodes one after another (each fed back as the next input, through the LM's key-value cache). An action is its
   bin's centre; its log-probability is the sum of its tokens' (what RLinf's PPO and GRPO on OpenVLA train with), and
-  training recomputes the tokens' logits in one teacher-forced pass.
+  training recomputes the tokens' logits in one teacher-forced pass. Its value head reads the readout token's state
+  as the Gaussian's does.
 
 Pure torch modules: they never step an env and hold no loss.
 """
@@ -93,6 +95,16 @@ class VLAEncoder(nn.Module):
         return out.last_hidden_state, out.cache
 
 
+def critic_head(dim: int) -> nn.Module:
+    """The VLA's value head: a small MLP over the readout token's last state, which the policy computes with its
+    gradient stopped (`.detach()` at each use). The value loss then trains this head alone, never the encoder the
+    actions come from: sharing it, PPO from a pixel clone on PickCube spent its updates on the critic's first large
+    errors (a value loss of 40-130 against a policy loss of ~0.01, one gradient clipped to one norm) and its KL limit
+    stopped each epoch after 2-4 minibatches that had moved the policy without improving it: sampled success fell
+    from 44% to 6% in 9 iterations (docs/results/vla.md, 2026-12-06)."""
+    return nn.Sequential(_linear(dim, dim, gain=math.sqrt(2)), nn.Tanh(), _linear(dim, 1, gain=1.0))
+
+
 class GaussianVLA(ActorCritic):
     """`VLAEncoder`'s readout state -> the Gaussian action head (an action chunk with env.chunk) and the value head."""
 
@@ -101,12 +113,13 @@ class GaussianVLA(ActorCritic):
         if not isinstance(action_space, spaces.Box):
             raise ValueError(f"policy.kind=vla acts in a Box, got {action_space}")
         super().__init__(action_space, dim, dim, chunk, log_std_init)
+        self.critic_head = critic_head(dim)
         self.encoder = VLAEncoder(layout, vocab, dim=dim, layers=layers, heads=heads, patch=patch)
 
     def features(self, obs):
         embeds, mask = self.encoder.prefix(obs)
         h = self.encoder.run(embeds, mask)[0][:, -1]
-        return h, h
+        return h, h.detach()  # the value loss trains the critic's head, not the encoder (critic_head)
 
 
 class TokenVLA(nn.Module):
@@ -127,7 +140,7 @@ class TokenVLA(nn.Module):
         self.encoder = VLAEncoder(layout, vocab, dim=dim, layers=layers, heads=heads, patch=patch,
                                   action_tokens=bins)
         self.lm_head = _linear(dim, bins, gain=0.01)  # near-uniform over the bins at the start
-        self.critic_head = _linear(dim, 1, gain=1.0)
+        self.critic_head = critic_head(dim)
         self.register_buffer("low", torch.tensor(np.array(action_space.low, np.float32)).reshape(-1), False)
         self.register_buffer("high", torch.tensor(np.array(action_space.high, np.float32)).reshape(-1), False)
 
@@ -157,7 +170,7 @@ class TokenVLA(nn.Module):
         h = self.encoder.run(torch.cat([embeds, fed], 1),
                              torch.cat([mask, torch.ones(len(index), fed.shape[1], dtype=mask.dtype)], 1))[0]
         p = embeds.shape[1]
-        return self.lm_head(h[:, p - 1:]), self.critic_head(h[:, p - 1]).squeeze(-1)
+        return self.lm_head(h[:, p - 1:]), self.critic_head(h[:, p - 1].detach()).squeeze(-1)
 
     def decode(self, obs: torch.Tensor, gumbel: torch.Tensor | None = None):
         """Autoregressive decoding -> (index [B, n_tokens], logprob [B], values [B]). `gumbel` [B, n_tokens, bins]
@@ -167,7 +180,7 @@ class TokenVLA(nn.Module):
 
         cache = DynamicCache()
         h, cache = self.encoder.run(embeds, mask, cache)
-        value = self.critic_head(h[:, -1]).squeeze(-1)
+        value = self.critic_head(h[:, -1].detach()).squeeze(-1)
         tokens, logprob = [], torch.zeros(len(embeds))
         for j in range(self.n_tokens):
             log_p = torch.log_softmax(self.lm_head(h[:, -1]), -1)
@@ -205,7 +218,7 @@ class TokenVLA(nn.Module):
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         embeds, mask = self.encoder.prefix(obs)
-        return self.critic_head(self.encoder.run(embeds, mask)[0][:, -1]).squeeze(-1)
+        return self.critic_head(self.encoder.run(embeds, mask)[0][:, -1].detach()).squeeze(-1)
 
     def scale_std(self, factor: float) -> None:
         raise ValueError("policy.init_std_scale scales a Gaussian's std; vla.head=tokens samples action tokens "

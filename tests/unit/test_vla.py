@@ -141,6 +141,25 @@ def test_the_gaussian_vlas_gradient_reaches_the_frame_the_words_and_the_state():
         assert not torch.allclose(policy.act(obs, True)[0], policy.act(other, True)[0])  # it reads its inputs
 
 
+@pytest.mark.parametrize("head", ["gaussian", "tokens"])
+def test_the_value_loss_trains_the_value_head_and_never_the_encoder_the_actions_come_from(head):
+    """The critic reads the readout's state with its gradient stopped: a value loss leaves every encoder weight's
+    gradient at zero and the value head's not, while the action's log-probability reaches the encoder."""
+    policy = tiny(head)
+    obs = torch.from_numpy(rows(4))
+    actions, _, _ = policy.act(obs)
+    logprob, _, value = policy.evaluate(obs, actions.detach())
+    (value - 3.0).square().mean().backward()
+    assert all(p.grad is None or not p.grad.any() for p in policy.encoder.parameters())
+    assert all(p.grad is not None and p.grad.any() for p in policy.critic_head.parameters())
+    policy.zero_grad()
+    logprob, _, value = policy.evaluate(obs, actions.detach())
+    logprob.sum().backward()
+    assert policy.encoder.vision[0].weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert torch.allclose(policy.value(obs), value, atol=1e-5)  # value() is the same head on the same state
+
+
 def test_with_a_wrist_camera_the_vla_reads_both_frames_through_one_stem():
     """env.wrist_camera: the rgb field holds two frames; the VLA encodes each with the same stem, into patch tokens
     of their own (positions per view), so a change in either frame alone changes the action."""
