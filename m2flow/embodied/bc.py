@@ -111,15 +111,27 @@ def demo_data(demos: str, env_id: str, instruct: bool = False, chunk: int = 1, g
 def fit(policy: ActorCritic, data: dict[str, torch.Tensor], steps: int, batch_size: int = 256, lr: float = 1e-3,
         vf_coef: float = 0.5, seed: int = 0, on_step: Callable[[int, dict], None] | None = None) -> dict:
     """`steps` Adam steps on minibatches of `data` (sampled with replacement from a seeded generator): loss =
-    -mean log-likelihood of the actions + vf_coef * mean squared error of the values. Returns the last step's
-    metrics; `on_step(i, metrics)` sees every step's."""
+    -mean log-likelihood of the actions + vf_coef * mean squared error of the values. The value loss trains the
+    policy's encoder too, also where RL keeps it from doing so (the VLA's `value_trains_encoder`): the returns are
+    a target that teaches it where things are. Returns the last step's metrics; `on_step(i, metrics)` sees every
+    step's."""
     if steps < 1:
         raise ValueError(f"behaviour cloning needs steps >= 1, got {steps}")
     optimizer = torch.optim.Adam(policy.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
-    n = len(data["obs"])
-    metrics: dict = {}
     policy.train()
+    rl_setting = getattr(policy, "value_trains_encoder", None)
+    if rl_setting is not None:
+        policy.value_trains_encoder = True
+    try:
+        return _fit_steps(policy, optimizer, data, steps, batch_size, vf_coef, gen, on_step)
+    finally:
+        if rl_setting is not None:
+            policy.value_trains_encoder = rl_setting
+
+
+def _fit_steps(policy, optimizer, data, steps, batch_size, vf_coef, gen, on_step) -> dict:
+    n, metrics = len(data["obs"]), {}
     for i in range(steps):
         rows = torch.randint(0, n, (min(batch_size, n),), generator=gen)
         logprob, entropy, value = policy.evaluate(data["obs"][rows], data["actions"][rows])

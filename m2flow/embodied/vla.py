@@ -8,8 +8,8 @@ proprioception (one token), the instruction's words (one token each; padding mas
 token. Two action heads, as users of this field train VLAs:
 
 - `GaussianVLA` (`vla.head=gaussian`): the readout token's last hidden state feeds a Gaussian head over an action
-  chunk and, its gradient stopped, the value head (`critic_head`), the ActorCritic interface PPO and GRPO use for
-  every other policy.
+  chunk and the value head (in RL with its gradient stopped: `ValueGradient`), the ActorCritic interface PPO and GRPO
+  use for every other policy.
 - `TokenVLA` (`vla.head=tokens`): OpenVLA's discrete actions. Each action dimension is cut into `vla.bins` equal bins
   over the action space's bounds; a chunk of k actions of A dimensions is k x A action tokens, which the LM's head
   decodes one after another (each fed back as the next input, through the LM's key-value cache). An action is its
@@ -96,16 +96,28 @@ class VLAEncoder(nn.Module):
 
 
 def critic_head(dim: int) -> nn.Module:
-    """The VLA's value head: a small MLP over the readout token's last state, which the policy computes with its
-    gradient stopped (`.detach()` at each use). The value loss then trains this head alone, never the encoder the
-    actions come from: sharing it, PPO from a pixel clone on PickCube spent its updates on the critic's first large
-    errors (a value loss of 40-130 against a policy loss of ~0.01, one gradient clipped to one norm) and its KL limit
-    stopped each epoch after 2-4 minibatches that had moved the policy without improving it: sampled success fell
-    from 44% to 6% in 9 iterations (docs/results/vla.md, 2026-12-06)."""
+    """The VLA's value head: a small MLP over the readout token's last state."""
     return nn.Sequential(_linear(dim, dim, gain=math.sqrt(2)), nn.Tanh(), _linear(dim, 1, gain=1.0))
 
 
-class GaussianVLA(ActorCritic):
+class ValueGradient:
+    """Whether the value loss trains the encoder, or only the value head (`critic_in` stops its gradient).
+
+    In RL it does not (`value_trains_encoder` False, the default): sharing it, PPO from a pixel clone on PickCube
+    spent its updates on the critic's first large errors (a value loss of 40-130 against a policy loss of ~0.01, one
+    gradient clipped to one norm), and its KL limit stopped each epoch after 2-4 minibatches that had moved the policy
+    without improving it: sampled success fell from 44% to 6% in 9 iterations. In behaviour cloning it does
+    (`bc.fit` turns it on): regressing the demonstrations' returns, which on the dense reward say how far the gripper
+    is from the cube and the cube from the goal, teaches the encoder where they are; without it the same clone
+    succeeded in 0 of 100 held-out episodes instead of 39 (docs/results/vla.md, 2026-12-06)."""
+
+    value_trains_encoder = False
+
+    def critic_in(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.value_trains_encoder else h.detach()
+
+
+class GaussianVLA(ValueGradient, ActorCritic):
     """`VLAEncoder`'s readout state -> the Gaussian action head (an action chunk with env.chunk) and the value head."""
 
     def __init__(self, layout: PackedLayout, action_space: spaces.Space, vocab: int, *, chunk: int = 1,
@@ -119,10 +131,10 @@ class GaussianVLA(ActorCritic):
     def features(self, obs):
         embeds, mask = self.encoder.prefix(obs)
         h = self.encoder.run(embeds, mask)[0][:, -1]
-        return h, h.detach()  # the value loss trains the critic's head, not the encoder (critic_head)
+        return h, self.critic_in(h)
 
 
-class TokenVLA(nn.Module):
+class TokenVLA(ValueGradient, nn.Module):
     """OpenVLA-style action tokens: `bins` per action dimension, k x A tokens a chunk, decoded autoregressively by
     the LM head; the value head reads the readout token. act / evaluate / value / sample as ActorCritic's."""
 
@@ -170,7 +182,7 @@ class TokenVLA(nn.Module):
         h = self.encoder.run(torch.cat([embeds, fed], 1),
                              torch.cat([mask, torch.ones(len(index), fed.shape[1], dtype=mask.dtype)], 1))[0]
         p = embeds.shape[1]
-        return self.lm_head(h[:, p - 1:]), self.critic_head(h[:, p - 1].detach()).squeeze(-1)
+        return self.lm_head(h[:, p - 1:]), self.critic_head(self.critic_in(h[:, p - 1])).squeeze(-1)
 
     def decode(self, obs: torch.Tensor, gumbel: torch.Tensor | None = None):
         """Autoregressive decoding -> (index [B, n_tokens], logprob [B], values [B]). `gumbel` [B, n_tokens, bins]
@@ -180,7 +192,7 @@ class TokenVLA(nn.Module):
 
         cache = DynamicCache()
         h, cache = self.encoder.run(embeds, mask, cache)
-        value = self.critic_head(h[:, -1].detach()).squeeze(-1)
+        value = self.critic_head(self.critic_in(h[:, -1])).squeeze(-1)
         tokens, logprob = [], torch.zeros(len(embeds))
         for j in range(self.n_tokens):
             log_p = torch.log_softmax(self.lm_head(h[:, -1]), -1)
@@ -218,7 +230,7 @@ class TokenVLA(nn.Module):
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         embeds, mask = self.encoder.prefix(obs)
-        return self.critic_head(self.encoder.run(embeds, mask)[0][:, -1].detach()).squeeze(-1)
+        return self.critic_head(self.critic_in(self.encoder.run(embeds, mask)[0][:, -1])).squeeze(-1)
 
     def scale_std(self, factor: float) -> None:
         raise ValueError("policy.init_std_scale scales a Gaussian's std; vla.head=tokens samples action tokens "

@@ -143,8 +143,9 @@ def test_the_gaussian_vlas_gradient_reaches_the_frame_the_words_and_the_state():
 
 @pytest.mark.parametrize("head", ["gaussian", "tokens"])
 def test_the_value_loss_trains_the_value_head_and_never_the_encoder_the_actions_come_from(head):
-    """The critic reads the readout's state with its gradient stopped: a value loss leaves every encoder weight's
-    gradient at zero and the value head's not, while the action's log-probability reaches the encoder."""
+    """In RL the critic reads the readout's state with its gradient stopped: a value loss leaves every encoder
+    weight's gradient at zero and the value head's not, while the action's log-probability reaches the encoder;
+    behaviour cloning lets it through for the fit."""
     policy = tiny(head)
     obs = torch.from_numpy(rows(4))
     actions, _, _ = policy.act(obs)
@@ -158,6 +159,15 @@ def test_the_value_loss_trains_the_value_head_and_never_the_encoder_the_actions_
     assert policy.encoder.vision[0].weight.grad.abs().sum() > 0
     with torch.no_grad():
         assert torch.allclose(policy.value(obs), value, atol=1e-5)  # value() is the same head on the same state
+    # behaviour cloning lets the returns' regression shape the encoder (bc.fit), and leaves the policy as RL wants it
+    from m2flow.embodied.bc import fit
+
+    seen = []
+    data = {"obs": obs, "actions": actions.detach(), "returns": torch.arange(4.0)}
+    before = policy.encoder.vision[0].weight.detach().clone()
+    fit(policy, data, 1, batch_size=4, on_step=lambda i, m: seen.append(policy.value_trains_encoder))
+    assert seen == [True] and policy.value_trains_encoder is False
+    assert not torch.equal(before, policy.encoder.vision[0].weight)
 
 
 def test_with_a_wrist_camera_the_vla_reads_both_frames_through_one_stem():
