@@ -95,11 +95,6 @@ class VLAEncoder(nn.Module):
         return out.last_hidden_state, out.cache
 
 
-def critic_head(dim: int) -> nn.Module:
-    """The VLA's value head: a small MLP over the readout token's last state."""
-    return nn.Sequential(_linear(dim, dim, gain=math.sqrt(2)), nn.Tanh(), _linear(dim, 1, gain=1.0))
-
-
 class ValueGradient:
     """Whether the value loss trains the encoder, or only the value head (`critic_in` stops its gradient).
 
@@ -125,7 +120,6 @@ class GaussianVLA(ValueGradient, ActorCritic):
         if not isinstance(action_space, spaces.Box):
             raise ValueError(f"policy.kind=vla acts in a Box, got {action_space}")
         super().__init__(action_space, dim, dim, chunk, log_std_init)
-        self.critic_head = critic_head(dim)
         self.encoder = VLAEncoder(layout, vocab, dim=dim, layers=layers, heads=heads, patch=patch)
 
     def features(self, obs):
@@ -152,7 +146,7 @@ class TokenVLA(ValueGradient, nn.Module):
         self.encoder = VLAEncoder(layout, vocab, dim=dim, layers=layers, heads=heads, patch=patch,
                                   action_tokens=bins)
         self.lm_head = _linear(dim, bins, gain=0.01)  # near-uniform over the bins at the start
-        self.critic_head = critic_head(dim)
+        self.critic_head = _linear(dim, 1, gain=1.0)
         self.register_buffer("low", torch.tensor(np.array(action_space.low, np.float32)).reshape(-1), False)
         self.register_buffer("high", torch.tensor(np.array(action_space.high, np.float32)).reshape(-1), False)
 
