@@ -31,7 +31,10 @@ def pixel_cfg(tmp_path, name, *overrides):
 
 def test_ppo_and_grpo_train_a_vla_from_pixels_and_its_checkpoint_evaluates(cluster, tmp_path):
     for name, extra in (("ppo", ["cluster.placement=env,rollout: 0; actor: 1"]),
-                        ("grpo", ["algorithm.name=grpo", "env.seed_groups=2", "vla.head=tokens", "vla.bins=16",
+                        # scored by the dense return: 8-step episodes never succeed, and success alone would give
+                        # every env the same score, no advantage, and (the value loss kept off the encoder) no update
+                        ("grpo", ["algorithm.name=grpo", "algorithm.score=return", "env.seed_groups=2",
+                                  "vla.head=tokens", "vla.bins=16",
                                   "cluster.placement=env,rollout,actor: 0-1", "env.wrist_camera=true"])):
         result = train(pixel_cfg(tmp_path, name, *extra), cluster)
         rows = [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
