@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 from pathlib import Path
 
@@ -64,8 +65,6 @@ def run_plan(plan: str, args, out: Path, rep: int) -> dict:
 
 def success(args) -> None:
     """--success: the clone's deterministic success against PPO's from it, per RL seed (module docstring)."""
-    import shlex
-
     from manipulation import M2FLOW, LoadSampler, rl_figures, sh  # benchmarks/: the manipulation table's helpers
 
     out = Path(args.out) / f"success_{args.task}"
