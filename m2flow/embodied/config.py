@@ -165,7 +165,11 @@ class EmbodiedAlgorithmConfig:
 @dataclass
 class EmbodiedActorConfig:
     lr: float = opt(3e-4, "Adam learning rate", within="(0, inf)")
-    anneal_lr: bool = opt(False, "decay the learning rate linearly to 0 over the run")
+    critic_lr: float | None = opt(None, "PPO: the learning rate of the value function's own parameters (the critic "
+                                        "network and the value head; with an encoder shared by both heads, as a "
+                                        "VLA's or a CNN's, the value head alone); null: actor.lr. A clone's small "
+                                        "actor.lr leaves its value head where cloning put it", within="(0, inf)")
+    anneal_lr: bool = opt(False, "decay the learning rate(s) linearly to 0 over the run")
     adam_eps: float = opt(1e-5, "Adam epsilon", within="(0, inf)")
     epochs: int = opt(10, "passes over each rollout", within="[1, inf)")
     minibatch_size: int = opt(64, "samples per gradient step (SB3's batch_size)", within="[1, inf)")
@@ -381,5 +385,8 @@ class EmbodiedConfig:
             if self.sac.grad == "manual" and self.sac_grad_blockers():
                 raise ConfigError(f"sac.grad=manual writes out the gradients of ReLU MLPs only, but "
                                   f"{'; '.join(self.sac_grad_blockers())}: use sac.grad=auto or autograd")
+        if self.actor.critic_lr is not None and self.algorithm.name != "ppo":
+            raise ConfigError(f"actor.critic_lr is the learning rate of PPO's value function; algorithm.name="
+                              f"{self.algorithm.name} trains none with the actor's optimizer (leave it null)")
         if self.algorithm.name == "grpo" and self.env.seed_groups < 2:
             raise ConfigError("algorithm.name=grpo needs env.seed_groups >= 2 (advantages are relative within a group)")

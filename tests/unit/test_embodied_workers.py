@@ -490,3 +490,32 @@ def test_critic_warmup_iterations_train_the_value_function_alone():
     assert steps["critic_head.weight"] == warm_updates + metrics["actor/updates"]
     with pytest.raises(C.ConfigError, match="actor.critic_warmup must be >= 0, got -1"):
         make_cfg(actor={"critic_warmup": -1})
+
+
+def test_critic_lr_gives_the_value_functions_own_parameters_their_own_rate():
+    """`actor.critic_lr`: the critic network and the value head train at their own rate (annealed as actor.lr is),
+    the policy's parameters at actor.lr; null keeps one group. PPO's only."""
+    from m2flow.embodied.workers.actor import value_param_groups
+
+    cfg = make_cfg(actor={"lr": 1e-9, "critic_lr": 1e-2, "anneal_lr": True})
+    env = EnvWorker(cfg)
+    policy, box = PolicyWorker(cfg, *env.spaces()), Inbox()
+    env.rollout(LocalPolicy(policy), box, cfg.rollout.steps, 0, 1)
+    item = box.items.pop()
+    actor = EmbodiedActorWorker(cfg, *env.spaces())
+    names = {id(p): n for n, p in actor.policy.named_parameters()}
+    fast = sorted(names[id(p)] for p in actor.optimizer.param_groups[1]["params"])
+    assert fast == sorted(n for n in names.values() if n.startswith(("critic.", "critic_head.")))
+    assert len(fast) + len(actor.optimizer.param_groups[0]["params"]) == len(names)
+    before = {k: v.clone() for k, v in actor.policy.state_dict().items()}
+    metrics = actor.train(Inbox.of(item), 0, 1)
+    change = {k: float((v - before[k]).abs().max()) for k, v in actor.policy.state_dict().items()}
+    assert min(change[n] for n in fast) > 1e-4 > 1e-6 > max(v for k, v in change.items() if k not in fast)
+    frac = 1.0 - 0 / cfg.run.steps
+    assert metrics["actor/lr"] == pytest.approx(1e-9 * frac) and metrics["actor/critic_lr"] == pytest.approx(1e-2 * frac)
+    assert len(value_param_groups(actor.policy, 1e-3, None)) == 1
+    with pytest.raises(ValueError, match="has no value-function parameters of its own"):
+        value_param_groups(torch.nn.Linear(2, 2), 1e-3, 1e-2)
+    with pytest.raises(C.ConfigError, match="actor.critic_lr is the learning rate of PPO's value function; "
+                                            "algorithm.name=grpo"):
+        make_cfg(actor={"critic_lr": 1e-3}, algorithm={"name": "grpo"}, env={"seed_groups": 2})

@@ -168,6 +168,12 @@ def test_the_value_loss_trains_the_value_head_and_never_the_encoder_the_actions_
     fit(policy, data, 1, batch_size=4, on_step=lambda i, m: seen.append(policy.value_trains_encoder))
     assert seen == [True] and policy.value_trains_encoder is False
     assert not torch.equal(before, policy.encoder.vision[0].weight)
+    # actor.critic_lr's group: the value head alone (the encoder is the actions')
+    from m2flow.embodied.workers.actor import value_param_groups
+
+    groups = value_param_groups(policy, 1e-5, 1e-3)
+    assert [g["lr"] for g in groups] == [1e-5, 1e-3]
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in policy.critic_head.parameters()}
 
 
 def test_with_a_wrist_camera_the_vla_reads_both_frames_through_one_stem():

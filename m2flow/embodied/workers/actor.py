@@ -93,8 +93,8 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
     flat = lambda x: x.reshape(-1, *x.shape[2:])[keep]  # noqa: E731
     data = [flat(x) for x in (traj.obs, traj.actions, traj.logprobs, traj.values, adv, returns)]
     old_v, returns = data[3], data[5]
-    for group in optimizer.param_groups:
-        group["lr"] = a.lr * (frac if a.anneal_lr else 1.0)
+    for group in optimizer.param_groups:  # each group's own base rate (value_param_groups), else actor.lr
+        group["lr"] = group.get("base_lr", a.lr) * (frac if a.anneal_lr else 1.0)
     clip = max(alg.clip * (frac if alg.anneal_clip else 1.0), 1e-8)
     clip_t = torch.tensor(clip)  # a tensor: a compiled loss_fn keeps one graph while the clip anneals
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -141,11 +141,27 @@ def ppo_update(policy, optimizer, traj: Trajectory, adv, returns, mask, cfg, fra
     out.update({"actor/explained_var": float(1 - (returns - old_v).var() / var) if var > 0 else 0.0,
                 "actor/grad_norm": float(torch.stack(grad_norms).mean()) if grad_norms else 0.0,
                 "actor/nonfinite_skipped": skipped, "actor/lr": optimizer.param_groups[0]["lr"],
+                **({"actor/critic_lr": optimizer.param_groups[1]["lr"]} if len(optimizer.param_groups) > 1 else {}),
                 "actor/clip": clip, "actor/updates": len(stats), "actor/early_stop": float(stop),
                 "actor/advantage_mean": float(data[4].mean())})
     if bc_nlls:
         out["actor/bc_nll"] = float(torch.stack(bc_nlls).mean())
     return out
+
+
+def value_param_groups(policy: torch.nn.Module, lr: float, critic_lr: float | None) -> list[dict]:
+    """The optimizer's parameter groups: one at `lr`; with `critic_lr`, the value function's own parameters (those
+    of the modules named critic*: the critic network and the value head, never an encoder the action head reads
+    too) in a second group at that rate. Each group keeps its rate as `base_lr`, which ppo_update anneals from."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    if critic_lr is None:
+        return [{"params": params, "lr": lr, "base_lr": lr}]
+    value = {id(p) for n, p in policy.named_parameters() if n.split(".")[0].startswith("critic")}
+    if not value:
+        raise ValueError(f"actor.critic_lr: {type(policy).__name__} has no value-function parameters of its own "
+                         f"(modules named critic*)")
+    return [{"params": [p for p in params if id(p) not in value], "lr": lr, "base_lr": lr},
+            {"params": [p for p in params if id(p) in value], "lr": critic_lr, "base_lr": critic_lr}]
 
 
 def forget_idle_adam_state(optimizer: torch.optim.Optimizer) -> int:
@@ -195,7 +211,8 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
         start_policy(self.policy, cfg)  # e.g. a behaviour-cloned policy; the first weight sync hands it to the rollout
         torch.distributions.Distribution.set_default_validate_args(False)  # argument checks cost ~10% of a step
         # fused Adam: one kernel per step instead of ~13 small ops per tensor (15% of a small MLP's update on CPU)
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.actor.lr, eps=cfg.actor.adam_eps, fused=True)
+        self.optimizer = torch.optim.Adam(value_param_groups(self.policy, cfg.actor.lr, cfg.actor.critic_lr),
+                                          lr=cfg.actor.lr, eps=cfg.actor.adam_eps, fused=True)
         self.gen = torch.Generator().manual_seed(cfg.run.seed + 12345)  # minibatch order, same on every rank
         # compiled: forward and backward fused by inductor, ~25% less time per minibatch on CPU after ~20 s of
         # compiling on the first update (cached under /tmp/torchinductor_* for later runs)
