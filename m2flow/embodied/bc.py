@@ -84,6 +84,10 @@ def _datasets(demos: str, env_id: str, instruct: bool, pixels: bool = False, ima
             raise ValueError(f"{where}: demonstrations whose proprioception holds the joints' velocities, which pixel "
                              f"observations no longer do (record them again with `m2flow demos "
                              f"{summary['task']}{flags}`)")
+        if pixels and not summary.get("progress", False):  # pixel datasets from before 2026-12-06 (later) lacked it
+            raise ValueError(f"{where}: demonstrations without the episode's progress in their observations, which "
+                             f"pixel observations carry now (record them again with `m2flow demos "
+                             f"{summary['task']}{flags}`)")
         recorded = bool(summary.get("wrist_camera", False))  # datasets from before env.wrist_camera had none
         if pixels and recorded != wrist_camera:
             raise ValueError(f"{where}: demonstrations {'with' if recorded else 'without'} the hand camera's frames, "

@@ -17,6 +17,9 @@ token. Two action heads, as users of this field train VLAs:
   training recomputes the tokens' logits in one teacher-forced pass. Its value head reads the readout token's state
   as the Gaussian's does.
 
+Both value heads (`VLAValue`) add a small MLP over the proprioception and the episode's progress to the linear map
+of the readout token's state; the action heads never read the progress.
+
 Pure torch modules: they never step an env and hold no loss.
 """
 
@@ -30,7 +33,7 @@ from gymnasium import spaces
 from torch import nn
 
 from m2flow.embodied.envs.packed import PackedLayout
-from m2flow.embodied.policies import ActorCritic, _linear, gumbel_noise
+from m2flow.embodied.policies import ActorCritic, _linear, _mlp, gumbel_noise
 
 HEADS = ("gaussian", "tokens")
 
@@ -44,7 +47,7 @@ class VLAEncoder(nn.Module):
         super().__init__()
         from transformers import LlamaConfig, LlamaModel  # the reasoning wing's backbones: imported when built
 
-        for name in ("rgb", "state", "instruction"):
+        for name in ("rgb", "state", "progress", "instruction"):
             if name not in layout.fields:
                 raise ValueError(f"policy.kind=vla reads packed pixel observations with a {name!r} field "
                                  f"(env.pixels=true on a ManiSkill3 task), got fields {sorted(layout.fields)}")
@@ -89,10 +92,35 @@ class VLAEncoder(nn.Module):
                           torch.ones(b, 1, dtype=torch.long)], 1)
         return torch.cat(parts, 1), mask
 
+    def value_inputs(self, obs: torch.Tensor) -> torch.Tensor:
+        """obs [B, nbytes] packed rows -> what the value MLP reads beside the readout state: [proprioception;
+        progress] [B, STATE_DIM + 1]."""
+        x = self.layout.unpack(torch.as_tensor(obs, device=self.readout.device))
+        return torch.cat([x["state"].float(), x["progress"].float()], 1)
+
     def run(self, embeds: torch.Tensor, mask: torch.Tensor, past=None):
         """The LM over `embeds` (after `past`, its cache) -> (last hidden states [B, len, dim], the cache)."""
         out = self.lm(inputs_embeds=embeds, attention_mask=mask, cache=past, use_cache=past is not None)
         return out.last_hidden_state, out.cache
+
+
+class VLAValue(nn.Linear):
+    """The value head: a linear map of the readout token's state (the first `dim` inputs, the weight and bias of
+    this Linear) plus a tanh MLP (`hidden`, vla.value_hidden; none if empty) over the proprioception and the
+    episode's progress (the rest, `VLAEncoder.value_inputs`). The readout's state says what the frames show; the
+    progress says how many steps are left, which a return under a step limit depends on (PixelObservation). The
+    MLP's last layer starts near 0, so a clone's value starts as its linear head's."""
+
+    def __init__(self, dim: int, aux: int, hidden: tuple[int, ...] = ()):
+        super().__init__(dim, 1)
+        nn.init.orthogonal_(self.weight, 1.0)
+        nn.init.zeros_(self.bias)
+        self.mlp = nn.Sequential(*_mlp(aux, tuple(hidden), nn.Tanh), _linear(hidden[-1], 1, gain=0.01)) \
+            if hidden else None
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        v = nn.functional.linear(z[:, :self.in_features], self.weight, self.bias)
+        return v if self.mlp is None else v + self.mlp(z[:, self.in_features:])
 
 
 class ValueGradient:
@@ -108,24 +136,27 @@ class ValueGradient:
 
     value_trains_encoder = False
 
-    def critic_in(self, h: torch.Tensor) -> torch.Tensor:
-        return h if self.value_trains_encoder else h.detach()
+    def critic_in(self, h: torch.Tensor, obs: torch.Tensor) -> torch.Tensor:
+        """The value head's input: [the readout state h (detached unless value_trains_encoder); value_inputs]."""
+        return torch.cat([h if self.value_trains_encoder else h.detach(), self.encoder.value_inputs(obs)], 1)
 
 
 class GaussianVLA(ValueGradient, ActorCritic):
     """`VLAEncoder`'s readout state -> the Gaussian action head (an action chunk with env.chunk) and the value head."""
 
     def __init__(self, layout: PackedLayout, action_space: spaces.Space, vocab: int, *, chunk: int = 1,
-                 log_std_init: float = 0.0, dim: int = 64, layers: int = 2, heads: int = 4, patch: int = 16):
+                 log_std_init: float = 0.0, dim: int = 64, layers: int = 2, heads: int = 4, patch: int = 16,
+                 value_hidden: tuple[int, ...] = (64, 64)):
         if not isinstance(action_space, spaces.Box):
             raise ValueError(f"policy.kind=vla acts in a Box, got {action_space}")
         super().__init__(action_space, dim, dim, chunk, log_std_init)
         self.encoder = VLAEncoder(layout, vocab, dim=dim, layers=layers, heads=heads, patch=patch)
+        self.critic_head = VLAValue(dim, value_dims(layout), value_hidden)
 
     def features(self, obs):
         embeds, mask = self.encoder.prefix(obs)
         h = self.encoder.run(embeds, mask)[0][:, -1]
-        return h, self.critic_in(h)
+        return h, self.critic_in(h, obs)
 
 
 class TokenVLA(ValueGradient, nn.Module):
@@ -133,7 +164,8 @@ class TokenVLA(ValueGradient, nn.Module):
     the LM head; the value head reads the readout token. act / evaluate / value / sample as ActorCritic's."""
 
     def __init__(self, layout: PackedLayout, action_space: spaces.Space, vocab: int, *, chunk: int = 1,
-                 bins: int = 32, dim: int = 64, layers: int = 2, heads: int = 4, patch: int = 16):
+                 bins: int = 32, dim: int = 64, layers: int = 2, heads: int = 4, patch: int = 16,
+                 value_hidden: tuple[int, ...] = (64, 64)):
         super().__init__()
         if not isinstance(action_space, spaces.Box) or not np.isfinite(action_space.low).all() \
                 or not np.isfinite(action_space.high).all():
@@ -146,7 +178,7 @@ class TokenVLA(ValueGradient, nn.Module):
         self.encoder = VLAEncoder(layout, vocab, dim=dim, layers=layers, heads=heads, patch=patch,
                                   action_tokens=bins)
         self.lm_head = _linear(dim, bins, gain=0.01)  # near-uniform over the bins at the start
-        self.critic_head = _linear(dim, 1, gain=1.0)
+        self.critic_head = VLAValue(dim, value_dims(layout), value_hidden)
         self.register_buffer("low", torch.tensor(np.array(action_space.low, np.float32)).reshape(-1), False)
         self.register_buffer("high", torch.tensor(np.array(action_space.high, np.float32)).reshape(-1), False)
 
@@ -176,7 +208,7 @@ class TokenVLA(ValueGradient, nn.Module):
         h = self.encoder.run(torch.cat([embeds, fed], 1),
                              torch.cat([mask, torch.ones(len(index), fed.shape[1], dtype=mask.dtype)], 1))[0]
         p = embeds.shape[1]
-        return self.lm_head(h[:, p - 1:]), self.critic_head(self.critic_in(h[:, p - 1])).squeeze(-1)
+        return self.lm_head(h[:, p - 1:]), self.critic_head(self.critic_in(h[:, p - 1], obs)).squeeze(-1)
 
     def decode(self, obs: torch.Tensor, gumbel: torch.Tensor | None = None):
         """Autoregressive decoding -> (index [B, n_tokens], logprob [B], values [B]). `gumbel` [B, n_tokens, bins]
@@ -186,7 +218,7 @@ class TokenVLA(ValueGradient, nn.Module):
 
         cache = DynamicCache()
         h, cache = self.encoder.run(embeds, mask, cache)
-        value = self.critic_head(self.critic_in(h[:, -1])).squeeze(-1)
+        value = self.critic_head(self.critic_in(h[:, -1], obs)).squeeze(-1)
         tokens, logprob = [], torch.zeros(len(embeds))
         for j in range(self.n_tokens):
             log_p = torch.log_softmax(self.lm_head(h[:, -1]), -1)
@@ -224,11 +256,16 @@ class TokenVLA(ValueGradient, nn.Module):
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         embeds, mask = self.encoder.prefix(obs)
-        return self.critic_head(self.critic_in(self.encoder.run(embeds, mask)[0][:, -1])).squeeze(-1)
+        return self.critic_head(self.critic_in(self.encoder.run(embeds, mask)[0][:, -1], obs)).squeeze(-1)
 
     def scale_std(self, factor: float) -> None:
         raise ValueError("policy.init_std_scale scales a Gaussian's std; vla.head=tokens samples action tokens "
                          "(leave it at 1)")
+
+
+def value_dims(layout: PackedLayout) -> int:
+    """How many numbers the value MLP reads (VLAEncoder.value_inputs): the proprioception's and the progress's."""
+    return layout.fields["state"].shape[0] + layout.fields["progress"].shape[0]
 
 
 def build_vla(layout: PackedLayout, action_space: spaces.Space, vocab: int, head: str = "gaussian", **kw):

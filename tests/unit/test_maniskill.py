@@ -121,12 +121,18 @@ def test_pixel_observations_are_the_task_cameras_frame_with_the_proprioception_a
     used = np.flatnonzero(np.abs(state).max(0) > 0)
     # the joints' positions (9) and the gripper's pose (7), PickCube's grasp flag and goal (4): no velocities
     assert used.max() + 1 == {"PickCube-v1": 20, "PushCube-v1": 16}[task] and not state[:, 20:].any()
-    moved = obs
+    assert not fields["progress"].any()  # the episode's progress: 0 at a reset, then the steps over the limit
+    moved, since = obs, np.zeros(2)
     for _ in range(5):
-        moved = g.step(np.tile([[1.0, 0.0, 1.0, -1.0]], (2, 1)).astype(np.float32)).obs
+        out = g.step(np.tile([[1.0, 0.0, 1.0, -1.0]], (2, 1)).astype(np.float32))
+        moved, since = out.obs, np.where(out.terminated | out.truncated, 0, since + 1)  # an ended episode resets
+        assert layout.unpack(torch.from_numpy(moved))["progress"][:, 0].tolist() == \
+            (since / maniskill.MAX_EPISODE_STEPS).astype(np.float32).tolist()
     after = layout.unpack(torch.from_numpy(moved))
     assert np.abs(after["rgb"].numpy().astype(int) - rgb.astype(int)).mean() > 0.5  # the arm moved in the frame
     assert not np.allclose(after["state"].numpy(), state)
+    assert since.max() > 0
+    assert not layout.unpack(torch.from_numpy(g.reset(seed=7)))["progress"].any()
     g.close()
 
 
@@ -259,6 +265,17 @@ def test_pixel_demonstrations_hold_the_frames_and_the_state_datasets_actions(tmp
                                          r"env.wrist_camera is true .*`m2flow demos PickCube-v1 --pixels --image-size "
                                          r"48 --wrist-camera`"):
         demo_data(str(tmp_path / "px"), "PickCube-v1", pixels=True, image_size=48, wrist_camera=True)
+    assert summary["progress"] is True
+    progress = layout.unpack(torch.from_numpy(pixels["obs"]))["progress"][:, 0]
+    first = np.flatnonzero(np.r_[True, pixels["episode"][1:] != pixels["episode"][:-1]])
+    assert not progress[first].any() and progress[1] == np.float32(1 / maniskill.MAX_EPISODE_STEPS)  # each episode from 0
+    summary["progress"] = False  # as pixel datasets recorded before it were
+    (tmp_path / "px" / "demos.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match=r"demonstrations without the episode's progress in their observations, "
+                                         r"which pixel observations carry now \(record them again with `m2flow demos "
+                                         r"PickCube-v1 --pixels --image-size 48`\)"):
+        demo_data(str(tmp_path / "px"), "PickCube-v1", pixels=True, image_size=48)
+    summary["progress"] = True
     summary["joint_velocities"] = True  # as pixel datasets recorded before 2026-12-06 were
     (tmp_path / "px" / "demos.json").write_text(json.dumps(summary))
     with pytest.raises(ValueError, match=r"demonstrations whose proprioception holds the joints' velocities, which "

@@ -26,7 +26,7 @@ def rows(n: int, seed: int = 0) -> np.ndarray:
     texts = ["pick up the cube and move it to the goal", "push the cube to the goal region",
              "stack the red cube on top of the green cube"]
     return np.stack([layout.pack(state=rng.normal(size=STATE_DIM).astype(np.float32),
-                                 instruction=tokenize(texts[i % 3]).astype(np.int32),
+                                 progress=rng.uniform(size=1).astype(np.float32), instruction=tokenize(texts[i % 3]).astype(np.int32),
                                  rgb=rng.integers(0, 256, (3, SIZE, SIZE), dtype=np.uint8)) for i in range(n)])
 
 
@@ -61,7 +61,7 @@ def test_a_packed_row_holds_its_fields_and_unpacks_to_views_of_it():
 def test_the_pixel_layout_carries_state_instruction_and_frame():
     layout = pixel_layout(64)
     assert [(f.name, f.shape) for f in layout.fields.values()] == [
-        ("state", (STATE_DIM,)), ("instruction", (INSTRUCTION_TOKENS,)), ("rgb", (3, 64, 64))]
+        ("state", (STATE_DIM,)), ("progress", (1,)), ("instruction", (INSTRUCTION_TOKENS,)), ("rgb", (3, 64, 64))]
     assert layout.space().shape == (layout.nbytes,) and layout.space().dtype == np.uint8
 
 
@@ -187,7 +187,7 @@ def test_with_a_wrist_camera_the_vla_reads_both_frames_through_one_stem():
     assert policy.encoder.vision[0].weight.shape == one.encoder.vision[0].weight.shape  # a 3-channel stem
     rng = np.random.default_rng(1)
     obs = torch.from_numpy(np.stack([layout.pack(state=rng.normal(size=STATE_DIM).astype(np.float32),
-                                                 instruction=tokenize("push the cube to the goal region").astype(np.int32),
+                                                 progress=np.zeros(1, np.float32), instruction=tokenize("push the cube to the goal region").astype(np.int32),
                                                  rgb=rng.integers(0, 256, (6, SIZE, SIZE), dtype=np.uint8))
                                      for _ in range(3)]))
     with torch.no_grad():
@@ -198,8 +198,9 @@ def test_with_a_wrist_camera_the_vla_reads_both_frames_through_one_stem():
                                                                                  dtype=np.uint8))
             assert not torch.allclose(policy.act(other, True)[0], base), view
     with pytest.raises(ValueError, match="RGB frames \\(3 channels each\\), got 4 channels"):
-        GaussianVLA(PackedLayout([Field("state", "float32", (STATE_DIM,)), Field("instruction", "int32", (12,)),
-                                  Field("rgb", "uint8", (4, SIZE, SIZE))]), BOX, len(VOCAB), dim=16, heads=2)
+        GaussianVLA(PackedLayout([Field("state", "float32", (STATE_DIM,)), Field("progress", "float32", (1,)),
+                                  Field("instruction", "int32", (12,)), Field("rgb", "uint8", (4, SIZE, SIZE))]),
+                    BOX, len(VOCAB), dim=16, heads=2)
 
 
 def test_make_policy_builds_the_vla_of_the_config():
@@ -230,3 +231,46 @@ def test_make_policy_builds_the_vla_of_the_config():
 def test_vla_configs_that_cannot_run_fail_with_one_line(overrides, message):
     with pytest.raises(C.ConfigError, match=message):
         C.load(EmbodiedConfig, "ppo_pickcube", overrides)
+
+
+@pytest.mark.parametrize("head", ["gaussian", "tokens"])
+def test_the_value_reads_the_episodes_progress_and_the_actions_do_not(head):
+    """VLAValue: the value MLP reads [proprioception; progress]; the action heads never read the progress, and
+    without the MLP (vla.value_hidden=[]) the value is the readout's linear head alone."""
+    policy = tiny(head)
+    obs = torch.from_numpy(rows(4))
+    later = obs.clone()
+    policy.encoder.layout.unpack(later)["progress"][:] += 0.5
+    with torch.no_grad():
+        torch.nn.init.normal_(policy.critic_head.mlp[-1].weight)  # past its near-zero start
+        a, b = policy.act(obs, deterministic=True), policy.act(later, deterministic=True)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # the same actions, the same log-probabilities
+        assert (policy.value(obs) - policy.value(later)).abs().min() > 1e-4
+    plain = TokenVLA(pixel_layout(SIZE), BOX, len(VOCAB), bins=8, dim=16, layers=1, heads=2, patch=16,
+                     value_hidden=()) if head == "tokens" else \
+        GaussianVLA(pixel_layout(SIZE), BOX, len(VOCAB), dim=16, layers=1, heads=2, patch=16, value_hidden=())
+    assert plain.critic_head.mlp is None
+    with torch.no_grad():
+        assert torch.equal(plain.value(obs), plain.value(later))
+
+
+def test_a_checkpoint_from_before_the_value_mlp_loads_with_the_mlp_afresh(tmp_path, capsys):
+    """load_policy: a VLA saved before its value head had the MLP loads whole but the MLP, which keeps its start
+    (near 0: the value is the checkpoint's linear head's) and is reported; any other missing key is refused."""
+    from safetensors.torch import save_file
+
+    from m2flow.embodied.workers.actor import load_policy
+
+    saved = tiny("gaussian", seed=1)
+    state = {k: v for k, v in saved.state_dict().items() if not k.startswith("critic_head.mlp.")}
+    save_file(state, str(tmp_path / "policy.safetensors"))
+    policy = tiny("gaussian", seed=2)
+    load_policy(policy, tmp_path)
+    assert "no value MLP in the checkpoint" in capsys.readouterr().err
+    own = policy.state_dict()
+    assert all(torch.equal(own[k], v) for k, v in state.items())
+    assert not torch.equal(own["critic_head.mlp.0.weight"], saved.state_dict()["critic_head.mlp.0.weight"])
+    del state["critic_head.weight"]
+    save_file(state, str(tmp_path / "policy.safetensors"))
+    with pytest.raises(ValueError, match=r"does not fit the policy of this config: \['critic_head.weight'"):
+        load_policy(policy, tmp_path)

@@ -14,7 +14,7 @@ and its demos are in joint-position control, to be converted by replaying them.
 A dataset is a directory: `demos.npz` (obs [T, D] float32, or with `pixels` the packed pixel rows [T, nbytes] uint8
 of `maniskill.pixel_layout`; actions [T, 4] float32, rewards [T] float32, episode [T] int32: each row's episode number)
 and `demos.json` (task, instruction, control mode, the observations' kind (`pixels`, `image_size`,
-`render_triangles`, `wrist_camera`, `joint_velocities`: false, as pixel observations are now), and per episode its
+`render_triangles`, `wrist_camera`, `joint_velocities`: false and `progress`: true, as pixel observations are now), and per episode its
 reset seed, length, success and return). The expert reads the simulator either way, so a pixel dataset's actions are
 the state dataset's for the same seeds.
 """
@@ -193,7 +193,7 @@ def write_demos(env_id: str, episodes: int, out: str | Path, seed: int = 0, prog
                "max_episode_steps": (metaworld if mw else maniskill).MAX_EPISODE_STEPS,
                "pixels": pixels,
                **({"image_size": image_size, "render_triangles": render_triangles, "wrist_camera": wrist_camera,
-                   "joint_velocities": False} if pixels else {}),
+                   "joint_velocities": False, "progress": True} if pixels else {}),
                "expert": type(metaworld.expert(env_id)).__name__ if mw else EXPERTS[env_id].__name__,
                "success_rate": float(np.mean([r["success"] for r in runs])),
                "episodes": [{"seed": r["seed"], "length": r["length"], "success": r["success"],

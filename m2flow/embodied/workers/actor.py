@@ -9,6 +9,7 @@ the same weights. `actor: 0-1:0` (one process over both devices' cores) avoids t
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -299,6 +300,9 @@ def start_policy(policy, cfg) -> None:
             policy.scale_std(cfg.policy.init_std_scale)
 
 
+FRESH_KEYS = ("critic_head.mlp.",)  # parameters a checkpoint may lack: they keep their initialization
+
+
 def load_policy(policy, directory: Path) -> None:
     """Load directory/policy.safetensors into `policy`, with a clear error if it was built differently."""
     from safetensors.torch import load_file
@@ -306,6 +310,11 @@ def load_policy(policy, directory: Path) -> None:
     state = load_file(str(Path(directory) / "policy.safetensors"))
     own = policy.state_dict()
     bad = sorted(k for k in set(own) | set(state) if k not in own or k not in state or own[k].shape != state[k].shape)
-    if bad:
-        raise ValueError(f"{directory}/policy.safetensors does not fit the policy of this config: {bad[:4]} differ")
-    policy.load_state_dict(state)
+    fresh = [k for k in bad if k not in state and k.startswith(FRESH_KEYS)]
+    unfit = [k for k in bad if k not in fresh]
+    if unfit:
+        raise ValueError(f"{directory}/policy.safetensors does not fit the policy of this config: {unfit[:4]} differ")
+    if fresh:  # a VLA saved before its value head had the MLP: the policy is whole, the MLP starts near 0
+        print(f"{directory}: no value MLP in the checkpoint (saved before vla.value_hidden); it starts afresh",
+              file=sys.stderr)
+    policy.load_state_dict(state, strict=not fresh)

@@ -58,7 +58,7 @@ def _make_vla(cfg, obs_space, action_space) -> GaussianVLA | TokenVLA:
         torch.manual_seed(cfg.run.seed)
         return build_vla(layout, action_space, len(VOCAB), v.head, chunk=cfg.env.chunk,
                          log_std_init=cfg.policy.log_std_init, bins=v.bins, dim=v.dim, layers=v.layers,
-                         heads=v.heads, patch=v.patch)
+                         heads=v.heads, patch=v.patch, value_hidden=tuple(v.value_hidden))
 
 
 @torch.no_grad()
