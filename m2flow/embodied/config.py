@@ -94,6 +94,9 @@ class PolicyConfig:
     init_std_scale: float = opt(1.0, "with policy.init: multiply the loaded Gaussian policy's std by this before RL "
                                      "starts (a cloned policy's std fits the demonstrations' residuals; sampling at it "
                                      "can fail where the mean succeeds)", within="(0, inf)")
+    init_critic: bool = opt(True, "with policy.init: load the checkpoint's value function too (the modules named "
+                                  "critic*); false: it starts from its initialization, as where RL's reward is not "
+                                  "the one a clone's value regressed (its demonstrations' dense returns)")
 
     def validate(self, where: str) -> None:
         if self.kind not in ("mlp", "cnn", "instruct", "vla"):

@@ -270,6 +270,12 @@ def test_a_checkpoint_from_before_the_value_mlp_loads_with_the_mlp_afresh(tmp_pa
     own = policy.state_dict()
     assert all(torch.equal(own[k], v) for k, v in state.items())
     assert not torch.equal(own["critic_head.mlp.0.weight"], saved.state_dict()["critic_head.mlp.0.weight"])
+    # policy.init_critic=false: everything but the value function, which keeps its own start
+    fresh = tiny("gaussian", seed=3)
+    start = {k: v.clone() for k, v in fresh.state_dict().items()}
+    load_policy(fresh, tmp_path, critic=False)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, start[k] if k.startswith("critic_head.") else state[k]), k
     del state["critic_head.weight"]
     save_file(state, str(tmp_path / "policy.safetensors"))
     with pytest.raises(ValueError, match=r"does not fit the policy of this config: \['critic_head.weight'"):

@@ -295,7 +295,7 @@ class EmbodiedActorWorker(PublishesWeights, Worker):
 def start_policy(policy, cfg) -> None:
     """policy.init: load that checkpoint's policy, then scale its std by policy.init_std_scale."""
     if cfg.policy.init:
-        load_policy(policy, Path(cfg.policy.init))
+        load_policy(policy, Path(cfg.policy.init), critic=cfg.policy.init_critic)
         if cfg.policy.init_std_scale != 1.0:
             policy.scale_std(cfg.policy.init_std_scale)
 
@@ -303,11 +303,15 @@ def start_policy(policy, cfg) -> None:
 FRESH_KEYS = ("critic_head.mlp.",)  # parameters a checkpoint may lack: they keep their initialization
 
 
-def load_policy(policy, directory: Path) -> None:
-    """Load directory/policy.safetensors into `policy`, with a clear error if it was built differently."""
+def load_policy(policy, directory: Path, critic: bool = True) -> None:
+    """Load directory/policy.safetensors into `policy`, with a clear error if it was built differently; `critic`
+    False: not the value function's parameters (the modules named critic*), which keep their initialization."""
     from safetensors.torch import load_file
 
     state = load_file(str(Path(directory) / "policy.safetensors"))
+    if not critic:
+        kept = [k for k in policy.state_dict() if k.split(".")[0].startswith("critic")]
+        state.update({k: v.detach().clone() for k, v in policy.state_dict().items() if k in kept})
     own = policy.state_dict()
     bad = sorted(k for k in set(own) | set(state) if k not in own or k not in state or own[k].shape != state[k].shape)
     fresh = [k for k in bad if k not in state and k.startswith(FRESH_KEYS)]
