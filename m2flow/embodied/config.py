@@ -117,9 +117,9 @@ class VLAConfig:
     heads: int = opt(4, "attention heads (dim must be a multiple)", within="[1, inf)")
     patch: int = opt(16, "the frame's patch side in pixels: (image_size / patch)^2 frame tokens; a multiple of 4 "
                          "dividing env.image_size", within="[4, inf)")
-    value_hidden: list[int] = opt([64, 64], "the value function's tanh MLP over the proprioception and the "
-                                            "episode's progress, added to the linear value head on the readout "
-                                            "token; []: the linear head alone", within="[1, inf)")
+    value_hidden: list[int] = opt([], "a tanh MLP of these sizes over the proprioception and the episode's "
+                                      "progress, added to the linear value head on the readout token (a value "
+                                      "that knows the steps left); []: the linear head alone", within="[1, inf)")
 
     def validate(self, where: str) -> None:
         if self.head not in ("gaussian", "tokens"):

@@ -17,8 +17,8 @@ token. Two action heads, as users of this field train VLAs:
   training recomputes the tokens' logits in one teacher-forced pass. Its value head reads the readout token's state
   as the Gaussian's does.
 
-Both value heads (`VLAValue`) add a small MLP over the proprioception and the episode's progress to the linear map
-of the readout token's state; the action heads never read the progress.
+Both value heads (`VLAValue`) are a linear map of the readout token's state, to which `vla.value_hidden` adds a small
+MLP over the proprioception and the episode's progress; the action heads never read the progress.
 
 Pure torch modules: they never step an env and hold no loss.
 """
@@ -146,7 +146,7 @@ class GaussianVLA(ValueGradient, ActorCritic):
 
     def __init__(self, layout: PackedLayout, action_space: spaces.Space, vocab: int, *, chunk: int = 1,
                  log_std_init: float = 0.0, dim: int = 64, layers: int = 2, heads: int = 4, patch: int = 16,
-                 value_hidden: tuple[int, ...] = (64, 64)):
+                 value_hidden: tuple[int, ...] = ()):
         if not isinstance(action_space, spaces.Box):
             raise ValueError(f"policy.kind=vla acts in a Box, got {action_space}")
         super().__init__(action_space, dim, dim, chunk, log_std_init)
@@ -165,7 +165,7 @@ class TokenVLA(ValueGradient, nn.Module):
 
     def __init__(self, layout: PackedLayout, action_space: spaces.Space, vocab: int, *, chunk: int = 1,
                  bins: int = 32, dim: int = 64, layers: int = 2, heads: int = 4, patch: int = 16,
-                 value_hidden: tuple[int, ...] = (64, 64)):
+                 value_hidden: tuple[int, ...] = ()):
         super().__init__()
         if not isinstance(action_space, spaces.Box) or not np.isfinite(action_space.low).all() \
                 or not np.isfinite(action_space.high).all():

@@ -30,9 +30,9 @@ def rows(n: int, seed: int = 0) -> np.ndarray:
                                  rgb=rng.integers(0, 256, (3, SIZE, SIZE), dtype=np.uint8)) for i in range(n)])
 
 
-def tiny(head: str, chunk: int = 1, seed: int = 0):
+def tiny(head: str, chunk: int = 1, seed: int = 0, value_hidden: tuple[int, ...] = ()):
     torch.manual_seed(seed)
-    kw = dict(chunk=chunk, dim=16, layers=1, heads=2, patch=16)
+    kw = dict(chunk=chunk, dim=16, layers=1, heads=2, patch=16, value_hidden=value_hidden)
     if head == "tokens":
         return TokenVLA(pixel_layout(SIZE), BOX, len(VOCAB), bins=8, **kw)
     return GaussianVLA(pixel_layout(SIZE), BOX, len(VOCAB), **kw)
@@ -208,6 +208,11 @@ def test_make_policy_builds_the_vla_of_the_config():
                                                    "vla.head=tokens", "vla.bins=16", "vla.dim=32"])
     policy = make_policy(cfg, pixel_layout(SIZE * 2).space(), BOX)
     assert isinstance(policy, TokenVLA) and policy.bins == 16 and policy.encoder.patches == 16
+    assert policy.critic_head.mlp is None  # vla.value_hidden=[]: the linear value head alone
+    valued = make_policy(C.load(EmbodiedConfig, "ppo_pickcube", ["policy.kind=vla", "env.pixels=true",
+                                                                 f"env.image_size={SIZE * 2}", "vla.value_hidden=[24]"]),
+                         pixel_layout(SIZE * 2).space(), BOX)
+    assert [m.out_features for m in valued.critic_head.mlp if isinstance(m, torch.nn.Linear)] == [24, 1]
     with pytest.raises(ValueError, match=r"packed pixel rows \[\d+\] uint8"):
         make_policy(cfg, spaces.Box(-1, 1, (42,), np.float32), BOX)
     with pytest.raises(ValueError, match="init_std_scale scales a Gaussian"):
@@ -237,7 +242,7 @@ def test_vla_configs_that_cannot_run_fail_with_one_line(overrides, message):
 def test_the_value_reads_the_episodes_progress_and_the_actions_do_not(head):
     """VLAValue: the value MLP reads [proprioception; progress]; the action heads never read the progress, and
     without the MLP (vla.value_hidden=[]) the value is the readout's linear head alone."""
-    policy = tiny(head)
+    policy = tiny(head, value_hidden=(16, 16))
     obs = torch.from_numpy(rows(4))
     later = obs.clone()
     policy.encoder.layout.unpack(later)["progress"][:] += 0.5
@@ -246,9 +251,7 @@ def test_the_value_reads_the_episodes_progress_and_the_actions_do_not(head):
         a, b = policy.act(obs, deterministic=True), policy.act(later, deterministic=True)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # the same actions, the same log-probabilities
         assert (policy.value(obs) - policy.value(later)).abs().min() > 1e-4
-    plain = TokenVLA(pixel_layout(SIZE), BOX, len(VOCAB), bins=8, dim=16, layers=1, heads=2, patch=16,
-                     value_hidden=()) if head == "tokens" else \
-        GaussianVLA(pixel_layout(SIZE), BOX, len(VOCAB), dim=16, layers=1, heads=2, patch=16, value_hidden=())
+    plain = tiny(head)  # vla.value_hidden's default: []
     assert plain.critic_head.mlp is None
     with torch.no_grad():
         assert torch.equal(plain.value(obs), plain.value(later))
@@ -261,17 +264,17 @@ def test_a_checkpoint_from_before_the_value_mlp_loads_with_the_mlp_afresh(tmp_pa
 
     from m2flow.embodied.workers.actor import load_policy
 
-    saved = tiny("gaussian", seed=1)
+    saved = tiny("gaussian", seed=1, value_hidden=(8,))
     state = {k: v for k, v in saved.state_dict().items() if not k.startswith("critic_head.mlp.")}
     save_file(state, str(tmp_path / "policy.safetensors"))
-    policy = tiny("gaussian", seed=2)
+    policy = tiny("gaussian", seed=2, value_hidden=(8,))
     load_policy(policy, tmp_path)
     assert "no value MLP in the checkpoint" in capsys.readouterr().err
     own = policy.state_dict()
     assert all(torch.equal(own[k], v) for k, v in state.items())
     assert not torch.equal(own["critic_head.mlp.0.weight"], saved.state_dict()["critic_head.mlp.0.weight"])
     # policy.init_critic=false: everything but the value function, which keeps its own start
-    fresh = tiny("gaussian", seed=3)
+    fresh = tiny("gaussian", seed=3, value_hidden=(8,))
     start = {k: v.clone() for k, v in fresh.state_dict().items()}
     load_policy(fresh, tmp_path, critic=False)
     for k, v in fresh.state_dict().items():
