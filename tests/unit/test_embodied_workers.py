@@ -519,3 +519,25 @@ def test_critic_lr_gives_the_value_functions_own_parameters_their_own_rate():
     with pytest.raises(C.ConfigError, match="actor.critic_lr is the learning rate of PPO's value function; "
                                             "algorithm.name=grpo"):
         make_cfg(actor={"critic_lr": 1e-3}, algorithm={"name": "grpo"}, env={"seed_groups": 2})
+
+
+def test_policy_init_critic_false_starts_the_value_function_afresh(tmp_path):
+    """`policy.init` with `policy.init_critic=false`: the actor starts from the checkpoint's policy and from its own
+    initialization for the value function (the critic MLP and the value head); by default it loads both."""
+    cfg = make_cfg(run={"seed": 5})
+    env = EnvWorker(cfg)
+    saved = EmbodiedActorWorker(cfg, *env.spaces())
+    with torch.no_grad():
+        for p in saved.policy.parameters():
+            p.add_(1.0)  # unlike any fresh initialization
+    saved.save_checkpoint(str(tmp_path))
+    fresh = EmbodiedActorWorker(cfg, *env.spaces()).policy.state_dict()
+    both = EmbodiedActorWorker(make_cfg(run={"seed": 5}, policy={"init": str(tmp_path)}), *env.spaces())
+    policy_only = EmbodiedActorWorker(make_cfg(run={"seed": 5}, policy={"init": str(tmp_path), "init_critic": False}),
+                                      *env.spaces())
+    ckpt = saved.policy.state_dict()
+    assert all(torch.equal(v, ckpt[k]) for k, v in both.policy.state_dict().items())
+    critic = [k for k in ckpt if k.startswith(("critic.", "critic_head."))]
+    assert critic and len(critic) < len(ckpt)
+    for k, v in policy_only.policy.state_dict().items():
+        assert torch.equal(v, fresh[k] if k in critic else ckpt[k]), k
