@@ -109,7 +109,7 @@ class VLAValue(nn.Linear):
     this Linear) plus a tanh MLP (`hidden`, vla.value_hidden; none if empty) over the proprioception and the
     episode's progress (the rest, `VLAEncoder.value_inputs`). The readout's state says what the frames show; the
     progress says how many steps are left, which a return under a step limit depends on (PixelObservation). The
-    MLP's last layer starts near 0, so a clone's value starts as its linear head's."""
+    MLP's last layer starts near 0: the value starts as the linear head's."""
 
     def __init__(self, dim: int, aux: int, hidden: tuple[int, ...] = ()):
         super().__init__(dim, 1)

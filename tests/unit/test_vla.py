@@ -257,29 +257,25 @@ def test_the_value_reads_the_episodes_progress_and_the_actions_do_not(head):
         assert torch.equal(plain.value(obs), plain.value(later))
 
 
-def test_a_checkpoint_from_before_the_value_mlp_loads_with_the_mlp_afresh(tmp_path, capsys):
-    """load_policy: a VLA saved before its value head had the MLP loads whole but the MLP, which keeps its start
-    (near 0: the value is the checkpoint's linear head's) and is reported; any other missing key is refused."""
+def test_a_checkpoint_without_the_value_mlp_loads_with_policy_init_critic_false(tmp_path):
+    """load_policy: a VLA saved without the value MLP (vla.value_hidden=[], the default) does not fit one with it,
+    and the error says that policy.init_critic=false loads it: everything but the value function, which keeps its own
+    start (the MLP's near 0); a missing key elsewhere is refused all the same."""
     from safetensors.torch import save_file
 
     from m2flow.embodied.workers.actor import load_policy
 
-    saved = tiny("gaussian", seed=1, value_hidden=(8,))
-    state = {k: v for k, v in saved.state_dict().items() if not k.startswith("critic_head.mlp.")}
+    saved = tiny("gaussian", seed=1)
+    state = saved.state_dict()
     save_file(state, str(tmp_path / "policy.safetensors"))
-    policy = tiny("gaussian", seed=2, value_hidden=(8,))
-    load_policy(policy, tmp_path)
-    assert "no value MLP in the checkpoint" in capsys.readouterr().err
-    own = policy.state_dict()
-    assert all(torch.equal(own[k], v) for k, v in state.items())
-    assert not torch.equal(own["critic_head.mlp.0.weight"], saved.state_dict()["critic_head.mlp.0.weight"])
-    # policy.init_critic=false: everything but the value function, which keeps its own start
-    fresh = tiny("gaussian", seed=3, value_hidden=(8,))
-    start = {k: v.clone() for k, v in fresh.state_dict().items()}
-    load_policy(fresh, tmp_path, critic=False)
-    for k, v in fresh.state_dict().items():
+    valued = tiny("gaussian", seed=2, value_hidden=(8,))
+    with pytest.raises(ValueError, match=r"\['critic_head.mlp.0.bias', .* differ; policy.init_critic=false loads it"):
+        load_policy(valued, tmp_path)
+    start = {k: v.clone() for k, v in valued.state_dict().items()}
+    load_policy(valued, tmp_path, critic=False)
+    for k, v in valued.state_dict().items():
         assert torch.equal(v, start[k] if k.startswith("critic_head.") else state[k]), k
-    del state["critic_head.weight"]
+    del state["encoder.readout"]
     save_file(state, str(tmp_path / "policy.safetensors"))
-    with pytest.raises(ValueError, match=r"does not fit the policy of this config: \['critic_head.weight'"):
-        load_policy(policy, tmp_path)
+    with pytest.raises(ValueError, match=r"\['encoder.readout'\] differ$"):
+        load_policy(valued, tmp_path, critic=False)

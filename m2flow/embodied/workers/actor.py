@@ -9,7 +9,6 @@ the same weights. `actor: 0-1:0` (one process over both devices' cores) avoids t
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -300,9 +299,6 @@ def start_policy(policy, cfg) -> None:
             policy.scale_std(cfg.policy.init_std_scale)
 
 
-FRESH_KEYS = ("critic_head.mlp.",)  # parameters a checkpoint may lack: they keep their initialization
-
-
 def load_policy(policy, directory: Path, critic: bool = True) -> None:
     """Load directory/policy.safetensors into `policy`, with a clear error if it was built differently; `critic`
     False: not the value function's parameters (the modules named critic*), which keep their initialization."""
@@ -314,11 +310,9 @@ def load_policy(policy, directory: Path, critic: bool = True) -> None:
         state.update({k: v.detach().clone() for k, v in policy.state_dict().items() if k in kept})
     own = policy.state_dict()
     bad = sorted(k for k in set(own) | set(state) if k not in own or k not in state or own[k].shape != state[k].shape)
-    fresh = [k for k in bad if k not in state and k.startswith(FRESH_KEYS)]
-    unfit = [k for k in bad if k not in fresh]
-    if unfit:
-        raise ValueError(f"{directory}/policy.safetensors does not fit the policy of this config: {unfit[:4]} differ")
-    if fresh:  # a VLA saved before its value head had the MLP: the policy is whole, the MLP starts near 0
-        print(f"{directory}: no value MLP in the checkpoint (saved before vla.value_hidden); it starts afresh",
-              file=sys.stderr)
-    policy.load_state_dict(state, strict=not fresh)
+    if bad:
+        hint = "; policy.init_critic=false loads it without them" if critic and all(
+            k.split(".")[0].startswith("critic") for k in bad) else ""
+        raise ValueError(f"{directory}/policy.safetensors does not fit the policy of this config: {bad[:4]} differ"
+                         f"{hint}")
+    policy.load_state_dict(state)
