@@ -268,7 +268,8 @@ def test_pixel_demonstrations_hold_the_frames_and_the_state_datasets_actions(tmp
     assert summary["progress"] is True
     progress = layout.unpack(torch.from_numpy(pixels["obs"]))["progress"][:, 0]
     first = np.flatnonzero(np.r_[True, pixels["episode"][1:] != pixels["episode"][:-1]])
-    assert not progress[first].any() and progress[1] == np.float32(1 / maniskill.MAX_EPISODE_STEPS)  # each episode from 0
+    assert not progress[first].any()  # each episode from 0, then a step's share of the limit each step
+    assert progress[1] == np.float32(1 / maniskill.MAX_EPISODE_STEPS)
     summary["progress"] = False  # as pixel datasets recorded before it were
     (tmp_path / "px" / "demos.json").write_text(json.dumps(summary))
     with pytest.raises(ValueError, match=r"demonstrations without the episode's progress in their observations, "

@@ -26,7 +26,8 @@ def rows(n: int, seed: int = 0) -> np.ndarray:
     texts = ["pick up the cube and move it to the goal", "push the cube to the goal region",
              "stack the red cube on top of the green cube"]
     return np.stack([layout.pack(state=rng.normal(size=STATE_DIM).astype(np.float32),
-                                 progress=rng.uniform(size=1).astype(np.float32), instruction=tokenize(texts[i % 3]).astype(np.int32),
+                                 progress=rng.uniform(size=1).astype(np.float32),
+                                 instruction=tokenize(texts[i % 3]).astype(np.int32),
                                  rgb=rng.integers(0, 256, (3, SIZE, SIZE), dtype=np.uint8)) for i in range(n)])
 
 
@@ -187,7 +188,8 @@ def test_with_a_wrist_camera_the_vla_reads_both_frames_through_one_stem():
     assert policy.encoder.vision[0].weight.shape == one.encoder.vision[0].weight.shape  # a 3-channel stem
     rng = np.random.default_rng(1)
     obs = torch.from_numpy(np.stack([layout.pack(state=rng.normal(size=STATE_DIM).astype(np.float32),
-                                                 progress=np.zeros(1, np.float32), instruction=tokenize("push the cube to the goal region").astype(np.int32),
+                                                 progress=np.zeros(1, np.float32),
+                                                 instruction=tokenize("push the cube to the goal region").astype(np.int32),
                                                  rgb=rng.integers(0, 256, (6, SIZE, SIZE), dtype=np.uint8))
                                      for _ in range(3)]))
     with torch.no_grad():
@@ -209,9 +211,9 @@ def test_make_policy_builds_the_vla_of_the_config():
     policy = make_policy(cfg, pixel_layout(SIZE * 2).space(), BOX)
     assert isinstance(policy, TokenVLA) and policy.bins == 16 and policy.encoder.patches == 16
     assert policy.critic_head.mlp is None  # vla.value_hidden=[]: the linear value head alone
-    valued = make_policy(C.load(EmbodiedConfig, "ppo_pickcube", ["policy.kind=vla", "env.pixels=true",
-                                                                 f"env.image_size={SIZE * 2}", "vla.value_hidden=[24]"]),
-                         pixel_layout(SIZE * 2).space(), BOX)
+    valued_cfg = C.load(EmbodiedConfig, "ppo_pickcube", ["policy.kind=vla", "env.pixels=true",
+                                                        f"env.image_size={SIZE * 2}", "vla.value_hidden=[24]"])
+    valued = make_policy(valued_cfg, pixel_layout(SIZE * 2).space(), BOX)
     assert [m.out_features for m in valued.critic_head.mlp if isinstance(m, torch.nn.Linear)] == [24, 1]
     with pytest.raises(ValueError, match=r"packed pixel rows \[\d+\] uint8"):
         make_policy(cfg, spaces.Box(-1, 1, (42,), np.float32), BOX)

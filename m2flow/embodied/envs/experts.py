@@ -14,9 +14,9 @@ and its demos are in joint-position control, to be converted by replaying them.
 A dataset is a directory: `demos.npz` (obs [T, D] float32, or with `pixels` the packed pixel rows [T, nbytes] uint8
 of `maniskill.pixel_layout`; actions [T, 4] float32, rewards [T] float32, episode [T] int32: each row's episode number)
 and `demos.json` (task, instruction, control mode, the observations' kind (`pixels`, `image_size`,
-`render_triangles`, `wrist_camera`, `joint_velocities`: false and `progress`: true, as pixel observations are now), and per episode its
-reset seed, length, success and return). The expert reads the simulator either way, so a pixel dataset's actions are
-the state dataset's for the same seeds.
+`render_triangles`, `wrist_camera`, `joint_velocities`: false and `progress`: true, as pixel observations are now),
+and per episode its reset seed, length, success and return). The expert reads the simulator either way, so a pixel
+dataset's actions are the state dataset's for the same seeds.
 """
 
 from __future__ import annotations
