@@ -137,8 +137,10 @@ class ValueGradient:
     value_trains_encoder = False
 
     def critic_in(self, h: torch.Tensor, obs: torch.Tensor) -> torch.Tensor:
-        """The value head's input: [the readout state h (detached unless value_trains_encoder); value_inputs]."""
-        return torch.cat([h if self.value_trains_encoder else h.detach(), self.encoder.value_inputs(obs)], 1)
+        """The value head's input: the readout state h (detached unless value_trains_encoder), then value_inputs
+        where the head has its MLP (without it nothing else is unpacked)."""
+        h = h if self.value_trains_encoder else h.detach()
+        return h if self.critic_head.mlp is None else torch.cat([h, self.encoder.value_inputs(obs)], 1)
 
 
 class GaussianVLA(ValueGradient, ActorCritic):

@@ -305,9 +305,9 @@ def load_policy(policy, directory: Path, critic: bool = True) -> None:
     from safetensors.torch import load_file
 
     state = load_file(str(Path(directory) / "policy.safetensors"))
-    if not critic:
-        kept = [k for k in policy.state_dict() if k.split(".")[0].startswith("critic")]
-        state.update({k: v.detach().clone() for k, v in policy.state_dict().items() if k in kept})
+    if not critic:  # the value function's own tensors stand in for the checkpoint's
+        state.update({k: v.detach().clone() for k, v in policy.state_dict().items()
+                      if k.split(".")[0].startswith("critic")})
     own = policy.state_dict()
     bad = sorted(k for k in set(own) | set(state) if k not in own or k not in state or own[k].shape != state[k].shape)
     if bad:
