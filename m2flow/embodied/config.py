@@ -28,6 +28,8 @@ class EmbodiedClusterConfig(ClusterConfig):
     placement: Any = opt("env,rollout,actor: 0", "component -> devices: 'env,rollout,actor: 0' (collocated, lockstep), "
                          "'env: 0; rollout: 1; actor: 0-1:0' (hybrid), 'env: 0-1; rollout,actor: 0' (two env workers), "
                          "'auto' (profile, then the fastest predicted placement and env.pipeline_stages)")
+    profile_steps: int = opt(20, "auto placement and `m2flow profile`: steps of each profiled rollout (as rollout.steps "
+                                 "counts them; at most the horizon), its times scaled to the horizon", within="[1, inf)")
     COMPONENTS: ClassVar[tuple[str, ...]] = ("env", "rollout", "actor")
 
     def validate(self, where: str) -> None:

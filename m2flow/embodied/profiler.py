@@ -41,6 +41,7 @@ from m2flow.embodied.workers.actor import EmbodiedActorWorker
 from m2flow.embodied.workers.env import EnvWorker
 from m2flow.embodied.workers.policy import PolicyWorker
 from m2flow.runtime.sync import sync_weights
+from m2flow.run_dir import progress
 
 COMPONENTS = EmbodiedClusterConfig.COMPONENTS  # env, rollout, actor
 STAGES = (1, 2, 4)  # env pipeline stages the planner considers: rows at num_envs / S envs
@@ -86,14 +87,15 @@ def default_batches(num_envs: int) -> list[int]:
 
 def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, out_path: str | Path | None = None,
                      repeats: int = 3, devices: tuple[int, ...] | None = None,
-                     run_dir: str | Path | None = None) -> Profile:
+                     run_dir: str | Path | None = None, steps: int | None = None) -> Profile:
     """Profile the embodied flow of `cfg` on `cluster`; write the table to `out_path` (default
     `run_dir/profile.json`) and the raw timings to `profile_details.json` beside it.
 
     `batches`: envs per rollout (default `default_batches`); `devices`: device counts (default 1 and 2 where the
     cluster has 2): d = `env,rollout,actor: 0-(d-1)`, one worker of each per device (env worker r in lockstep with
     policy worker r; the actor ranks data-parallel). Each row is the median of `repeats` rollouts (or updates) after
-    a warm-up rollout."""
+    a warm-up rollout. `steps`: env steps per rollout (default `cluster.profile_steps`; at most the horizon), the
+    rows scaled by horizon / steps."""
     run_dir = Path(run_dir or cfg.run.path)
     out_path = Path(out_path or run_dir / "profile.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,16 +104,24 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
     if sac:  # the learner updates from the first iteration on, so that every timed call takes its gradient steps
         cfg = dataclasses.replace(cfg, sac=dataclasses.replace(cfg.sac, learning_starts=0))
     num_envs, horizon = cfg.env.num_envs, cfg.steps_per_rollout
+    steps = min(horizon, steps or cfg.cluster.profile_steps)
+    scale = horizon / steps  # each rollout's (and update's) seconds, scaled from `steps` env steps to the horizon
     batches = sorted(set(batches or default_batches(num_envs)) | {num_envs})
     if any(b < 1 or b > num_envs for b in batches):
         raise ValueError(f"profile: env counts {batches} must lie in 1..env.num_envs={num_envs}")
     devices = devices or tuple(d for d in (1, 2) if d <= cluster.num_devices)
     rows: dict[tuple[str, int, int], list[dict]] = {}
-    details: dict = {"batches": batches, "devices": list(devices), "repeats": repeats, "horizon": horizon, "calls": []}
+    details: dict = {"batches": batches, "devices": list(devices), "repeats": repeats, "horizon": horizon,
+                     "steps": steps, "calls": []}
     info: dict = {"sync": [], "rpc": []}
+    loops = _extra_loops(cfg, cluster, devices)
+    total = (repeats + 1) * (sum(b % d == 0 for d in devices for b in batches) + len(loops))
     trajectories = Channel.create(f"{out_path.resolve()}:{time.time_ns()}/trajectories")
     step = 0
+    bar = progress(cfg.run.progress)
+    task = bar.add_task("profile", total=total, info=f"rollouts of {num_envs} envs x {steps} steps")
     try:
+        bar.start()
         for d in devices:
             last = "0" if d == 1 else f"0-{d - 1}"
             # SAC's learner is one rank: one process over the d devices, as its plans place it
@@ -132,9 +142,10 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                 for b in (b for b in batches if b % d == 0):
                     env.resize(b).wait()
                     for i in range(repeats + 1):  # the first rollout of each size warms up
-                        outs = env.per_rank.rollout([(policy_of[r], trajectories, horizon, step, ranks)
+                        outs = env.per_rank.rollout([(policy_of[r], trajectories, steps, step, ranks)
                                                      for r in range(d)]).wait()
                         step += 1
+                        bar.update(task, advance=1, info=f"{b} envs on {d} device(s)")
                         if b == num_envs:  # the update on this whole iteration's trajectories
                             t = time.perf_counter()
                             r = max(actor.timed("train", trajectories, 0, d).wait(), key=lambda x: x["seconds"])
@@ -144,18 +155,18 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                                 trajectories.get(key=a // d)
                         if not i:
                             continue
-                        cells = {"env": max(o["seconds"] - o["wait_time"] for o in outs),
-                                 "rollout": max(o["policy_time"] for o in outs)}
+                        cells = {"env": scale * max(o["seconds"] - o["wait_time"] for o in outs),
+                                 "rollout": scale * max(o["policy_time"] for o in outs)}
                         if d == 1 and b == num_envs:
-                            info.setdefault("shared", []).append(outs[0]["wait_time"] - outs[0]["policy_time"])
-                            info.setdefault("lockstep", []).append(outs[0]["seconds"])
+                            info.setdefault("shared", []).append(scale * (outs[0]["wait_time"] - outs[0]["policy_time"]))
+                            info.setdefault("lockstep", []).append(scale * outs[0]["seconds"])
                         if b == num_envs:
-                            cells["actor"] = r["seconds"]
+                            cells["actor"] = scale * r["seconds"]
                         for name, seconds in cells.items():
                             peak = r["peak_bytes"] if name == "actor" else 0
                             rows.setdefault((name, b, d), []).append({"seconds": seconds, "peak_bytes": peak})
                             details["calls"].append({"component": name, "batch": b, "devices": d,
-                                                     "seconds": seconds})
+                                                     "seconds": seconds, "env_steps": sum(o["env_steps"] for o in outs)})
                 for _ in range(repeats):
                     t = time.perf_counter()
                     sync_weights(actor.on([0]), [policy], check=cfg.rollout.checks_sync(2))  # as in a run's steady state
@@ -164,13 +175,12 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                     info["state"] = {"rollout": policy.model_bytes().wait()[0], "actor": actor.state_bytes().wait()[0]}
                     info["weights"] = actor.model_bytes().wait()[0]
                     info["machine"] = env.machine(len(cluster.nodes[0]["devices"])).wait()[0]
-        if cluster.num_devices >= 2 and 1 in devices:
-            info["split"], step = _split_loop(cfg, cluster, trajectories, work_dir, repeats, step)
-        if cfg.rollout.cohost and 1 in devices:
-            info["cohosted"], step = _cohosted_loop(cfg, cluster, trajectories, work_dir, repeats, step)
-        if 1 in devices and num_envs % 2 == 0 and (num_envs // 2) % cfg.env.seed_groups == 0:
-            info["two_ranks"], step = _two_ranks_loop(cfg, cluster, trajectories, work_dir, repeats, step)
+        for name, (spec, cohost, summary) in loops.items():
+            outs, step = _lockstep_rollouts(cfg, cluster, trajectories, work_dir, repeats, step, steps, spec, cohost,
+                                            lambda: bar.update(task, advance=1, info=name))
+            info[name] = scale * summary(outs)
     finally:
+        bar.stop()
         trajectories.destroy()
         shutil.rmtree(work_dir, ignore_errors=True)
 
@@ -182,12 +192,37 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
     return profile
 
 
-def _lockstep_rollouts(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int, step: int, spec: str,
-                       cohost: bool = False) -> tuple[list[list[dict]], int]:
-    """`repeats` lockstep rollouts at the full env count (after a warm-up one) with env and policy placed by `spec`
-    (`env: 0; rollout: 1`, `env,rollout: 0`, or two env workers sharing one policy worker, `env: 0:0-1; rollout:
-    0`), the policy in the env worker's process when `cohost`, as the flow runs one stage on shared devices.
-    Returns each rollout's outcomes (one per env worker) and the next step."""
+def _extra_loops(cfg, cluster: Cluster, devices) -> dict:
+    """The lockstep rollouts at the full env count beyond the rows, where they apply: name -> (placement, the
+    policy in the env worker's process, the summary of their outcomes that `_table` reads).
+    - `split`: the policy on a device of its own (`env: 0; rollout: 1`): the median of the env's waits for actions
+      beyond the policy's compute (the hand-overs' round trips between devices);
+    - `cohosted`: the policy in the env worker's process (`rollout.cohost`, as the flow runs one stage on shared
+      devices): the median of its seconds; its requests are calls in that process, so the policy's compute falls
+      inside the env's own time (`_table` divides it by the env and rollout rows);
+    - `two_ranks`: two env workers on one device, half of the envs each, asking one policy worker beside them
+      (`env: 0:0-1; rollout: 0`): the median of the slower worker's seconds (`_table` sets it against the
+      one-worker rollout on one device)."""
+    if 1 not in devices:
+        return {}
+    loops = {}
+    if cluster.num_devices >= 2:
+        loops["split"] = ("env: 0; rollout: 1", False,
+                          lambda outs: statistics.median(o["wait_time"] - o["policy_time"] for (o,) in outs))
+    if cfg.rollout.cohost:
+        loops["cohosted"] = ("env,rollout: 0", True, lambda outs: statistics.median(o["seconds"] for (o,) in outs))
+    num_envs = cfg.env.num_envs
+    if num_envs % 2 == 0 and (num_envs // 2) % cfg.env.seed_groups == 0:
+        loops["two_ranks"] = ("env: 0:0-1; rollout: 0", False,
+                              lambda outs: statistics.median(max(o["seconds"] for o in out) for out in outs))
+    return loops
+
+
+def _lockstep_rollouts(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int, step: int, steps: int,
+                       spec: str, cohost: bool, tick) -> tuple[list[list[dict]], int]:
+    """`repeats` lockstep rollouts of `steps` env steps at the full env count (after a warm-up one) with env and
+    policy placed by `spec`, the policy in the env worker's process when `cohost`; `tick()` after each. Returns each
+    rollout's outcomes (one per env worker) and the next step."""
     placement = parse_placement(spec, cluster.num_devices, COMPONENTS[:2])
     env = EnvProbe.launch(cluster, placement["env"], cfg, run_dir=str(work_dir))
     groups, outs = [env], []
@@ -197,38 +232,14 @@ def _lockstep_rollouts(cfg, cluster: Cluster, trajectories, work_dir: Path, repe
                                     run_dir=str(work_dir), host_with=env if cohost else None)
         groups.append(policy)
         for i in range(repeats + 1):  # the first warms up
-            out = env.rollout(policy, trajectories, cfg.steps_per_rollout, step, 1).wait()
+            out = env.rollout(policy, trajectories, steps, step, 1).wait()
             for _ in out:
                 trajectories.get(key=0)
             step += 1
+            tick()
             if i:
                 outs.append(out)
     return outs, step
-
-
-def _split_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int, step: int) -> tuple[float, int]:
-    """The lockstep rollout with the policy on a device of its own (`env: 0; rollout: 1`): the median of its waits
-    for actions beyond the policy's compute (the hand-overs' round trips between devices)."""
-    outs, step = _lockstep_rollouts(cfg, cluster, trajectories, work_dir, repeats, step, "env: 0; rollout: 1")
-    return statistics.median(o["wait_time"] - o["policy_time"] for (o,) in outs), step
-
-
-def _two_ranks_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int,
-                    step: int) -> tuple[float, int]:
-    """The lockstep rollout with two env workers on one device, half of the envs each, asking one policy worker
-    beside them (`env: 0:0-1; rollout: 0`): the median of the slower worker's seconds (`_table` sets it against
-    the one-worker rollout on one device)."""
-    outs, step = _lockstep_rollouts(cfg, cluster, trajectories, work_dir, repeats, step, "env: 0:0-1; rollout: 0")
-    return statistics.median(max(o["seconds"] for o in out) for out in outs), step
-
-
-def _cohosted_loop(cfg, cluster: Cluster, trajectories, work_dir: Path, repeats: int,
-                   step: int) -> tuple[float, int]:
-    """The lockstep rollout with the policy in the env worker's process (`rollout.cohost`): the median of its
-    seconds. Its requests are calls in that process, so the policy's compute falls inside the env's own time;
-    `_table` divides it by the env and rollout rows."""
-    outs, step = _lockstep_rollouts(cfg, cluster, trajectories, work_dir, repeats, step, "env,rollout: 0", cohost=True)
-    return statistics.median(o["seconds"] for (o,) in outs), step
 
 
 def _table(cluster: Cluster, rows: dict, info: dict, num_envs: int) -> Profile:

@@ -3,6 +3,7 @@ actor, plans placements x env pipeline stages for the 2 CPU devices and trains t
 placement the flow can run there trains for as many iterations. Auto must pick the plan its cost model ranks fastest;
 measured times are printed, not asserted (see tests/e2e/test_auto_plan.py)."""
 
+import json
 import time
 
 import pytest
@@ -16,13 +17,14 @@ from m2flow.runtime import parse_placement
 
 COMPONENTS = ["env", "rollout", "actor"]
 STEPS = 4  # per plan; the first warms up, the median of the other 3 is the measured iteration time
+PROFILE_STEPS = 16  # env steps per profiled rollout: half the horizon, the rows scaled x 2
 
 
 def make_cfg(tmp_path):
     return C.load(EmbodiedConfig, None, [
         f"run.dir={tmp_path}", "run.name=auto", "run.progress=false", "run.trace=false", f"run.steps={STEPS}",
         "env.id=CartPole-v1", "env.num_envs=8", "rollout.steps=32", "actor.epochs=4", "actor.minibatch_size=64",
-        "eval.episodes=0", "cluster.placement=auto"])
+        "eval.episodes=0", "cluster.placement=auto", f"cluster.profile_steps={PROFILE_STEPS}"])
 
 
 @pytest.mark.timeout(900)
@@ -39,6 +41,11 @@ def test_embodied_auto_picks_the_plan_it_predicts_fastest_and_every_plan_runs(cl
         assert {m.devices for m in profile.measurements if m.component == name} == {1, 2}, name
     assert {m.batch for m in profile.measurements if m.component == "env" and m.devices == 1} == {2, 4, 8}
     assert profile.components["actor"].fixed_seconds > 0 and not profile.components["actor"].streams
+    # the profiled rollouts ran profile_steps env steps per env, not the horizon's 32
+    details = json.loads((run / "profile_details.json").read_text())
+    assert details["steps"] == PROFILE_STEPS and details["horizon"] == 32
+    env_calls = [c for c in details["calls"] if c["component"] == "env"]
+    assert env_calls and all(c["env_steps"] == c["batch"] * PROFILE_STEPS for c in env_calls), env_calls
     # two env workers on one device, timed against one: the planner adds such plans only where they measured faster
     two_ranks = profile.loop_latency.two_ranks_scale
     assert two_ranks is not None and two_ranks > 0
