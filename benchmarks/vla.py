@@ -6,11 +6,13 @@ clone's against PPO's from it. Prints tables; asserts nothing.
     python benchmarks/vla.py --plans 'env,rollout,actor: all@2|env: 0; rollout: 1; actor: all@2'
     python benchmarks/vla.py --success [--clone 60] [--seeds 0,1] [overrides of the PPO runs ...]
 
---success runs the CLI a user would, printing each command: `m2flow demos TASK --pixels --wrist-camera` (once),
-behaviour cloning of the first `--clone` demonstrations (`m2flow sft vla_pickcube`), then PPO from the clone
+--success runs the CLI a user would, printing each command: `m2flow demos TASK --pixels --wrist-camera` (once per
+task), behaviour cloning of the first `--clone` demonstrations (`m2flow sft vla_pickcube`), then PPO from the clone
 (`m2flow train vla_pickcube policy.init=...`) once per RL seed; each scored by the same deterministic evaluation
 (`--episodes` held-out reset seeds). It writes OUT/success_TASK/row.json (the clone's success, each seed's success,
-env steps, wall time, env steps/s and load) and prints the table.
+env steps, wall time, env steps/s and load) and prints the table. `--task PickCube-v1,PushCube-v1,StackCube-v1`
+does the same for one policy on the three tasks (`vla_maniskill3`; OUT/success_TASK+TASK+TASK/), the success the
+mean of the tasks', each task's beside it.
 
 Each plan (`placement@pipeline_stages`) trains `--iterations` PPO iterations of ppo_pickcube with `env.pixels=true
 policy.kind=vla` (the vla section's default sizes, 64x64 frames); the plans run interleaved, `--reps` rounds of
@@ -64,40 +66,60 @@ def run_plan(plan: str, args, out: Path, rep: int) -> dict:
 
 
 def success(args) -> None:
-    """--success: the clone's deterministic success against PPO's from it, per RL seed (module docstring)."""
+    """--success: the clone's deterministic success against PPO's from it, per RL seed (module docstring); with
+    several tasks (comma-separated), one policy on all of them (vla_maniskill3) and the success per task."""
     from manipulation import M2FLOW, LoadSampler, rl_figures, sh  # benchmarks/: the manipulation table's helpers
 
-    out = Path(args.out) / f"success_{args.task}"
+    tasks = args.task.split(",")
+    preset = args.preset or ("vla_pickcube" if len(tasks) == 1 else "vla_maniskill3")
+    out = Path(args.out) / f"success_{'+'.join(tasks)}"
     out.mkdir(parents=True, exist_ok=True)
-    demos = out / "demos"
-    if not (demos / "demos.json").exists():
-        sh([M2FLOW, "demos", args.task, "-n", str(args.demos), "--pixels", "--wrist-camera", "--out", str(demos)],
-           out / "demos.log")
-    common = [f"env.id={args.task}", f"eval.episodes={args.episodes}"]
+    demos = []
+    for task in tasks:  # recorded once per task, shared by the single- and the multi-task rows
+        where = Path(args.out) / f"success_{task}" / "demos"
+        if not (where / "demos.json").exists():
+            where.parent.mkdir(parents=True, exist_ok=True)
+            sh([M2FLOW, "demos", task, "-n", str(args.demos), "--pixels", "--wrist-camera", "--out", str(where)],
+               where.parent / "demos.log")
+        demos.append(str(where))
+    common = [f"env.id={args.task}"] + ([f"eval.episodes={args.episodes}"] if args.episodes else [])
     bc = out / f"bc{args.clone}"
     if not (bc / "eval.json").exists():
-        sh([M2FLOW, "sft", "vla_pickcube", str(bc), "--demos", str(demos), "--demo-episodes", str(args.clone),
+        sh([M2FLOW, "sft", preset, str(bc), "--demos", ",".join(demos), "--demo-episodes", str(args.clone),
             "--steps", str(args.bc_steps), "--batch-size", "128", *common], out / f"bc{args.clone}.log")
-    row = {"task": args.task, "demo_episodes": args.clone,
-           "bc": json.loads((bc / "eval.json").read_text())["success_rate"], "ppo": {}}
+    row = {"tasks": tasks, "demo_episodes": args.clone, "bc": per_task(bc / "eval.json", tasks), "ppo": {}}
     for seed in args.seeds.split(","):
         name = f"ppo_bc{args.clone}_seed{seed}"
-        cmd = [M2FLOW, "train", "vla_pickcube", *common, f"policy.init={bc}", f"run.seed={seed}", f"run.dir={out}",
+        cmd = [M2FLOW, "train", preset, *common, f"policy.init={bc}", f"run.seed={seed}", f"run.dir={out}",
                f"run.name={name}", "run.overwrite=true", *args.overrides]
         with LoadSampler() as load:
             seconds = sh(cmd, out / f"{name}.log")
-        row["ppo"][seed] = {**rl_figures(out / name), "wall_s": round(seconds), "load": load.summary(),
+        row["ppo"][seed] = {**rl_figures(out / name), **per_task(out / name / "eval.json", tasks),
+                            "wall_s": round(seconds), "load": load.summary(),
                             "command": shlex.join(["m2flow", *cmd[1:]])}
     (out / "row.json").write_text(json.dumps(row, indent=1) + "\n")
-    print(f"\n{args.task}: clone of {args.clone} demonstrations {row['bc']:.0%} deterministic success on "
-          f"{args.episodes} held-out episodes\n")
-    print("| RL seed | after PPO | lift | env steps | wall s | env steps/s | load |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    clone = row["bc"]
+    print(f"\n{args.task}: clone of {args.clone} demonstrations per task, deterministic success {clone['success']:.0%}"
+          + "".join(f", {t} {clone[t]:.0%}" for t in tasks if len(tasks) > 1) + " on the held-out episodes\n")
+    each = [t for t in tasks if len(tasks) > 1]
+    print("| RL seed | after PPO | lift |" + "".join(f" {t} |" for t in each) + " env steps | wall s | env steps/s | load |")
+    print("| --- | --- | --- |" + " --- |" * len(each) + " --- | --- | --- | --- |")
     for seed, r in row["ppo"].items():
-        print(f"| {seed} | {r['success']:.0%} | {100 * (r['success'] - row['bc']):+.0f} points | {r['env_steps']:,} "
-              f"| {r['wall_s']} | {r['env_steps_per_s']:.0f} | {r['load']} |")
+        print(f"| {seed} | {r['success']:.0%} | {100 * (r['success'] - clone['success']):+.0f} points |"
+              + "".join(f" {clone[t]:.0%} -> {r[t]:.0%} |" for t in each)
+              + f" {r['env_steps']:,} | {r['wall_s']} | {r['env_steps_per_s']:.0f} | {r['load']} |")
     for seed, r in row["ppo"].items():
         print(f"seed {seed}: {r['command']}")
+
+
+def per_task(path: Path, tasks: list[str]) -> dict:
+    """An evaluation's success: `success` over all its episodes; with several tasks, the mean of the tasks' success
+    (the figure the issue asks for) and each task's."""
+    evaluation = json.loads(path.read_text())
+    if len(tasks) == 1:
+        return {"success": evaluation["success_rate"]}
+    each = {t: evaluation[f"success_rate/{t}"] for t in tasks}
+    return {"success": statistics.mean(each.values()), **each}
 
 
 def main() -> None:
@@ -109,12 +131,15 @@ def main() -> None:
     p.add_argument("--plans", default="|".join(PLANS), help="'placement@stages|...', auto: cluster.placement=auto")
     p.add_argument("--out", default="runs/bench_vla")
     p.add_argument("--success", action="store_true", help="instead: the clone's success against PPO's from it")
-    p.add_argument("--task", default="PickCube-v1", help="--success: the ManiSkill3 task")
-    p.add_argument("--demos", type=int, default=300, help="--success: demonstrations recorded")
-    p.add_argument("--clone", type=int, default=60, help="--success: the first N demonstrations cloned")
+    p.add_argument("--task", default="PickCube-v1", help="--success: the ManiSkill3 task, or several, comma-separated "
+                                                         "(one policy on all: vla_maniskill3)")
+    p.add_argument("--preset", default=None, help="--success: default vla_pickcube (one task), vla_maniskill3")
+    p.add_argument("--demos", type=int, default=300, help="--success: demonstrations recorded per task")
+    p.add_argument("--clone", type=int, default=60, help="--success: the first N demonstrations of each task cloned")
     p.add_argument("--bc-steps", type=int, default=1500, help="--success: behaviour cloning's Adam steps (of 128)")
     p.add_argument("--seeds", default="0,1", help="--success: the RL runs' seeds (run.seed)")
-    p.add_argument("--episodes", type=int, default=100, help="--success: deterministic held-out episodes")
+    p.add_argument("--episodes", type=int, default=None, help="--success: deterministic held-out episodes (default: "
+                                                               "the preset's eval.episodes, 100 and 120)")
     p.add_argument("overrides", nargs="*", help="config overrides for every run (vla.*, env.image_size, ...; "
                                                 "--success: of the PPO runs)")
     args = p.parse_args()

@@ -56,10 +56,9 @@ def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | N
     flags = [e["success_once"] for e in found if "success_once" in e]
     if flags:
         out["success_rate"] = float(np.mean(flags))
-    tasks = maniskill.task_ids(cfg.env.id)
-    if len(tasks) > 1 and flags:  # a multi-task group: env i ran task i % n
-        for t, task in enumerate(tasks):
-            mine = [e["success_once"] for e in found if e["env_index"] % len(tasks) == t]
+    if flags:  # a multi-task group's episodes name their task
+        for task in maniskill.task_ids(cfg.env.id):
+            mine = [e["success_once"] for e in found if e.get("task") == task]
             if mine:
                 out[f"success_rate/{task}"] = float(np.mean(mine))
     if video_dir:

@@ -103,8 +103,8 @@ class Updates:
 
 
 def iteration_metrics(env_out: list[dict], recent) -> dict:
-    """Episodes finished this iteration (raw return, length, success_once and success) and where the rollout's time
-    went."""
+    """Episodes finished this iteration (raw return, length, success_once and success; per task of a multi-task env.id,
+    success_once) and where the rollout's time went."""
     episodes = [e for out in env_out for e in out["episodes"]]
     steps, rollout_s = sum(o["env_steps"] for o in env_out), max(o["seconds"] for o in env_out)
     out = {"rollout/episodes": len(episodes),
@@ -120,6 +120,9 @@ def iteration_metrics(env_out: list[dict], recent) -> dict:
     if reported:  # success at any step of the episode, and at its last
         out["rollout/success_once"] = float(np.mean([e["success_once"] for e in reported]))
         out["rollout/success"] = float(np.mean([e["success"] for e in reported]))
+        for task in sorted({e["task"] for e in reported if "task" in e}):  # a multi-task env.id: each task's
+            out[f"rollout/success_once/{task}"] = float(np.mean([e["success_once"] for e in reported
+                                                                  if e.get("task") == task]))
     return out
 
 

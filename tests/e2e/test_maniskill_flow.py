@@ -78,6 +78,9 @@ def test_one_instruction_conditioned_policy_clones_three_tasks_and_trains_on_the
         "cluster.placement=env,rollout,actor: 0"]), cluster)
     rows = [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
     assert [r["rollout/episodes"] for r in rows] == [3, 3] and rows[-1]["env_steps"] == 120
+    for r in rows:  # each task's episode, its success beside the mean's
+        each = [r[f"rollout/success_once/{task}"] for task in cfg.env.id.split(",")]
+        assert r["rollout/success_once"] == pytest.approx(sum(each) / 3)
     assert set(result["eval"]) >= {"success_rate/PickCube-v1", "success_rate/PushCube-v1", "success_rate/StackCube-v1"}
 
 

@@ -11,6 +11,7 @@ from m2flow import config as C
 from m2flow.embodied.config import EmbodiedConfig
 from m2flow.embodied.envs import EnvGroup, make_env_fns, maniskill
 from m2flow.embodied.policies import build_policy
+from m2flow.embodied.steps import iteration_metrics
 
 MULTI = "PickCube-v1,PushCube-v1,StackCube-v1"
 
@@ -31,12 +32,27 @@ def test_a_multi_task_group_shows_each_env_its_instruction_and_a_padded_state():
     assert obs.shape == (3, k + maniskill.STATE_DIM)
     for i, task in enumerate(MULTI.split(",")):  # env i runs task i % 3
         assert obs[i, :k].tolist() == maniskill.tokenize(maniskill.TASKS[task]).tolist()
+    assert g._s.tasks == MULTI.split(",")  # what its episodes will name
     assert not obs[0, k + 42:].any() and not obs[1, k + 35:].any() and obs[2, k + 42:].any()  # 42, 35, 48 numbers
     g.close()
     with pytest.raises(ValueError, match="need instruction observations"):
         make_env_fns(MULTI, 3)
     with pytest.raises(ValueError, match="instruction observations .* are for the ManiSkill3 tasks"):
         make_env_fns("CartPole-v1", 1, instruct=True)
+
+
+def test_an_iterations_metrics_give_each_tasks_success():
+    def episode(task, success):
+        return {"env_index": 0, "return": 1.0, "length": 5, "success_once": success, "success": success, "task": task}
+
+    out = {"episodes": [episode("PickCube-v1", True), episode("PushCube-v1", False), episode("PickCube-v1", False)],
+           "env_steps": 15, "seconds": 1.0, "env_time": 0.5, "policy_time": 0.2, "wait_time": 0.3}
+    got = iteration_metrics([out, {**out, "episodes": [episode("PushCube-v1", True)]}], [])
+    assert got["rollout/success_once"] == 0.5
+    assert got["rollout/success_once/PickCube-v1"] == 0.5 and got["rollout/success_once/PushCube-v1"] == 0.5
+    assert "rollout/success_once/StackCube-v1" not in got  # no episode of it ended
+    single = iteration_metrics([{**out, "episodes": [{k: v for k, v in episode("", True).items() if k != "task"}]}], [])
+    assert not [k for k in single if k.startswith("rollout/success_once/")]
 
 
 def test_the_policy_acts_on_the_instruction():

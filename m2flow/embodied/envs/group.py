@@ -241,6 +241,8 @@ class _Shared:
         self.round = np.zeros(n, np.int64)  # obs emissions of env i: the normalizers merge data round by round
         self.pending: dict[int, _Pending] = {}
         self.episodes: list[dict] = []
+        tasks = maniskill.task_ids(env_id) if env_id and maniskill.is_maniskill(env_id) else []
+        self.tasks = [tasks[i % len(tasks)] for i in range(n)] if len(tasks) > 1 else None  # make_env_fns' order
 
     def record(self, lo: int, obs_raw: np.ndarray, returns: np.ndarray | None) -> None:
         """Queue rows for envs lo.. at their current round; merge every round all N envs have reached, in env order.
@@ -301,8 +303,9 @@ class EnvGroup:
     - normalization (optional): obs by running mean/std, rewards by the running std of discounted returns
       (SB3 VecNormalize). Obs are normalized with the statistics of all earlier rounds, then queued (see
       `_Shared.record`); `training=False` freezes them. `state_dict()` / `load_state_dict()` carry them.
-    - episodes: raw return, length and, when the env reports info["success"] / info["is_success"], `success_once`
-      (at any step) and `success` (at the last step), collected by `pop_episodes()`.
+    - episodes: raw return, length, a multi-task group's task and, when the env reports info["success"] /
+      info["is_success"], `success_once` (at any step) and `success` (at the last step), collected by
+      `pop_episodes()`.
     - chunks: `step_chunk(actions[n, k, ...])` executes up to k actions per env as ONE learner step; see there.
     - stages: `split(s)` gives s views of consecutive envs sharing this state, for env/policy pipelining.
     Box actions are clipped to the bounds before the env sees them (`clip_actions=True`, the policy keeps the
@@ -559,6 +562,8 @@ class EnvGroup:
         ep = {"env_index": i, "return": float(s.ep_return[i]), "length": int(s.ep_length[i])}
         if s.reports_success[i]:  # success at any step, and at the episode's last
             ep["success_once"], ep["success"] = bool(s.success_once[i]), bool(s.success_now[i])
+        if s.tasks:  # a multi-task group: which task the episode was
+            ep["task"] = s.tasks[i]
         s.episodes.append(ep)
         self._start_episode(i)
 
