@@ -30,6 +30,10 @@ class EmbodiedClusterConfig(ClusterConfig):
                          "'auto' (profile, then the fastest predicted placement and env.pipeline_stages)")
     profile_steps: int = opt(20, "auto placement and `m2flow profile`: steps of each profiled rollout (as rollout.steps "
                                  "counts them; at most the horizon), its times scaled to the horizon", within="[1, inf)")
+    compress_frames: bool = opt(False, "frames (uint8 observations) that cross nodes travel compressed (Zstandard, "
+                                       "lossless, ~2x on ManiSkill3's): the env workers' requests to policy workers "
+                                       "on other nodes and the trajectories where env and actor ranks span nodes; "
+                                       "on one node nothing changes")
     COMPONENTS: ClassVar[tuple[str, ...]] = ("env", "rollout", "actor")
 
     def validate(self, where: str) -> None:

@@ -52,7 +52,9 @@ def launch(cfg: EmbodiedConfig, cluster, plan: ExecutionPlan, run_path: Path) ->
     actor_cohost = cohost and plan["actor"].rank_devices == plan["env"].rank_devices
     # created before the workers, so that its process starts while theirs do (else the first put waits ~0.5 s for it)
     trajectories = Channel.create(f"{run_path.resolve()}:{time.time_ns()}/trajectories", 0,
-                                  len(plan["env"].rank_devices), len(plan["actor"].rank_devices))
+                                  len(plan["env"].rank_devices), len(plan["actor"].rank_devices),
+                                  compress=cfg.cluster.compress_frames and spans_nodes(cluster, plan["env"],
+                                                                                       plan["actor"]))
     learner = SACLearnerWorker if cfg.algorithm.name == "sac" else EmbodiedActorWorker
     started: list[Group | None] = [None, None]
     try:
@@ -72,6 +74,11 @@ def launch(cfg: EmbodiedConfig, cluster, plan: ExecutionPlan, run_path: Path) ->
         trajectories.destroy()
         raise
     return Launched(env, rollout, actor, trajectories, cohost, actor_cohost)
+
+
+def spans_nodes(cluster, *placements) -> bool:
+    """Whether the ranks of `placements` sit on more than one node (what goes between them may cross nodes)."""
+    return len({cluster.device(d).node_id for p in placements for devs in p.rank_devices for d in devs}) > 1
 
 
 class Updates:
@@ -116,6 +123,9 @@ def iteration_metrics(env_out: list[dict], recent) -> dict:
     if episodes:
         out["rollout/return"] = float(np.mean([e["return"] for e in episodes]))
         out["rollout/length"] = float(np.mean([e["length"] for e in episodes]))
+    wired = [o for o in env_out if o.get("obs_bytes_sent")]
+    if wired:  # cluster.compress_frames: the frames sent to policy workers on other nodes, raw bytes / bytes sent
+        out["env/obs_compression"] = sum(o["obs_bytes"] for o in wired) / sum(o["obs_bytes_sent"] for o in wired)
     reported = [e for e in episodes if "success_once" in e]
     if reported:  # success at any step of the episode, and at its last
         out["rollout/success_once"] = float(np.mean([e["success_once"] for e in reported]))

@@ -14,7 +14,8 @@ item travels depends on its ends:
   views of shared memory (read-only by contract: clone before writing in place). Smaller items ride inline.
 Ownership: an object-store item is owned by the process that put it (Ray >= 2.56 removed `ray.put(_owner=)`);
 if that process exits before the item is taken, `get` raises ChannelItemLost once Ray has freed it.
-Inline items survive their producer.
+Inline items survive their producer. A channel created with `compress=True` (for ends on different nodes) pickles
+uint8 arrays and tensors of 16 KiB and more (frames) compressed (runtime/compression.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import ray.cloudpickle as cloudpickle
 from ray.exceptions import ObjectLostError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from . import compression
 from .deadline import deadline_of, seconds_left, wait
 
 __all__ = ["Channel", "ChannelClosed", "ChannelItemLost", "ChannelTimeout"]
@@ -66,14 +68,28 @@ class _NeedsRay(Exception):
 
 class _Pickler(cloudpickle.CloudPickler):
     """cloudpickle that turns dense CPU and CUDA tensors into byte arrays (CUDA ones copied to host memory first), so
-    protocol 5 ships them out of band; they arrive as CPU tensors."""
+    protocol 5 ships them out of band; they arrive as CPU tensors. With `compress`, uint8 arrays and tensors of at
+    least compression.MIN_BYTES (frames) travel compressed and arrive inflated (writable)."""
+
+    def __init__(self, *args, compress: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compress = compress
+        self._views: set[int] = set()  # ids of the byte views made of other dtypes' tensors: not frames
 
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")  # no torch imported here: no tensors to care about
-        if torch is not None and type(obj) is torch.Tensor and _plain(obj, torch):
+        tensor = torch is not None and type(obj) is torch.Tensor and _plain(obj, torch)
+        if self.compress and (tensor or type(obj) is np.ndarray) and id(obj) not in self._views \
+                and compression.compressible(obj):
+            array = obj.detach().contiguous().cpu().numpy() if tensor else np.ascontiguousarray(obj)
+            packed = compression.compress(array)
+            return _inflated, (pickle.PickleBuffer(packed.data), tuple(array.shape), tensor)
+        if tensor:
             flat = obj.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).cpu()
             dtype = str(obj.dtype).removeprefix("torch.")
-            return _tensor_from_bytes, (flat.view(torch.uint8).numpy(), dtype, tuple(obj.shape), obj.requires_grad)
+            raw = flat.view(torch.uint8).numpy()
+            self._views.add(id(raw))  # alive while pickled: the reduction holds it
+            return _tensor_from_bytes, (raw, dtype, tuple(obj.shape), obj.requires_grad)
         if isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle)):
             raise _NeedsRay
         return super().reducer_override(obj)
@@ -93,12 +109,24 @@ def _tensor_from_bytes(data: np.ndarray, dtype: str, shape: tuple, requires_grad
     return t.requires_grad_() if requires_grad else t
 
 
-def _encode(item) -> tuple:
-    """item -> (kind, data) of a message: inline bytes, or an object-store ref in a list (so Ray leaves it alone)."""
+def _inflated(data, shape: tuple, tensor: bool):
+    """A compressed uint8 array or tensor, inflated (writable)."""
+    size = int(np.prod(shape))
+    array = np.frombuffer(bytearray(compression.decompress_bytes(data, size)), np.uint8).reshape(shape)
+    if tensor:
+        import torch
+
+        return torch.from_numpy(array)
+    return array
+
+
+def _encode(item, compress: bool = False) -> tuple:
+    """item -> (kind, data) of a message: inline bytes, or an object-store ref in a list (so Ray leaves it alone);
+    `compress`: its frames compressed (`_Pickler`)."""
     buffers = []
     f = io.BytesIO()
     try:
-        _Pickler(f, protocol=5, buffer_callback=buffers.append).dump(item)
+        _Pickler(f, protocol=5, buffer_callback=buffers.append, compress=compress).dump(item)
     except _NeedsRay:
         return _RAY, [ray.put((item,))]  # a tuple: ray.put refuses a bare ObjectRef
     meta, arrays = f.getvalue(), [np.frombuffer(b.raw(), np.uint8) for b in buffers]
@@ -107,9 +135,9 @@ def _encode(item) -> tuple:
     return _STORE, [ray.put((meta, arrays))]
 
 
-def _encode_or_broken(item) -> tuple:
+def _encode_or_broken(item, compress: bool = False) -> tuple:
     try:
-        return _encode(item)
+        return _encode(item, compress)
     except Exception as e:  # noqa: BLE001 - reported to whoever takes the item
         return _BROKEN, f"{type(e).__name__}: {e}"
 
@@ -137,6 +165,7 @@ class _Local:
         self.queues: dict = defaultdict(deque)
         self.closed = False
         self.gone = False  # the actor died or was destroyed
+        self.compress = False  # the channel's: frames compressed when its items leave this process
 
     def put(self, key, items, weights, maxsize: int, deadline) -> tuple[str, int]:
         """Append in order, each waiting for room (held: self.cond). (status, number appended); status "remote":
@@ -199,7 +228,8 @@ def _hand_over(actor, loc: _Local) -> None:
         if loc.mode != "local":
             return
         loc.mode = "remote"
-        payload = {key: [(weight, *_encode_or_broken(item)) for weight, item in q] for key, q in loc.queues.items() if q}
+        payload = {key: [(weight, *_encode_or_broken(item, loc.compress)) for weight, item in q]
+                   for key, q in loc.queues.items() if q}
         loc.queues.clear()
         try:
             ray.get(actor.hand_over.remote(payload, loc.closed))
@@ -380,18 +410,23 @@ class Channel:
     many ranks put into it (`producers`) and take from it (`consumers`), so that a stream over it (runtime/stream.py)
     ends after the right number of END markers without the stage calls carrying those counts."""
 
-    def __init__(self, name: str, actor, maxsize: int, producers: int = 1, consumers: int = 1):
+    def __init__(self, name: str, actor, maxsize: int, producers: int = 1, consumers: int = 1,
+                 compress: bool = False):
         """Use Channel.create or Channel.connect."""
         self.name, self.maxsize, self._actor = name, maxsize, actor
-        self.producers, self.consumers = producers, consumers
+        self.producers, self.consumers, self.compress = producers, consumers, compress
         self._key = actor._actor_id.hex()
         with _LOCALS_LOCK:
             self._loc = _LOCALS.setdefault(self._key, _Local())
+        self._loc.compress = compress
 
     @classmethod
-    def create(cls, name: str, maxsize: int = 0, producers: int = 1, consumers: int = 1) -> Channel:
+    def create(cls, name: str, maxsize: int = 0, producers: int = 1, consumers: int = 1,
+               compress: bool = False) -> Channel:
         """A new channel; maxsize (0 = unbounded) bounds each keyed sub-queue; `producers` and `consumers` are the
-        ranks that put into it and take from it. It lives as long as this process."""
+        ranks that put into it and take from it; `compress`: uint8 arrays and tensors of at least 16 KiB (frames)
+        leave a process compressed (runtime/compression.py; for channels between nodes). It lives as long as this
+        process."""
         if not name or maxsize < 0 or producers < 1 or consumers < 1:
             raise ValueError(f"channel {name!r}: needs a name, maxsize >= 0 and at least one producer and consumer "
                              f"(got maxsize={maxsize}, producers={producers}, consumers={consumers})")
@@ -402,19 +437,20 @@ class Channel:
             ).remote(name, maxsize)
         except ValueError as e:
             raise ValueError(f"channel {name!r} already exists: use Channel.connect({name!r})") from e
-        return cls(name, actor, maxsize, producers, consumers)
+        return cls(name, actor, maxsize, producers, consumers, compress)
 
     @classmethod
-    def connect(cls, name: str, producers: int = 1, consumers: int = 1) -> Channel:
-        """The existing channel called name, from any process of the job (with the counts given here)."""
+    def connect(cls, name: str, producers: int = 1, consumers: int = 1, compress: bool = False) -> Channel:
+        """The existing channel called name, from any process of the job (with the counts and compression given
+        here)."""
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError as e:
             raise ValueError(f"no channel named {name!r} (create it with Channel.create)") from e
-        return cls(name, actor, ray.get(actor.get_maxsize.remote()), producers, consumers)
+        return cls(name, actor, ray.get(actor.get_maxsize.remote()), producers, consumers, compress)
 
     def __reduce__(self):
-        return Channel, (self.name, self._actor, self.maxsize, self.producers, self.consumers)
+        return Channel, (self.name, self._actor, self.maxsize, self.producers, self.consumers, self.compress)
 
     def __repr__(self) -> str:
         return (f"Channel({self.name!r}, maxsize={self.maxsize}, producers={self.producers}, "
@@ -438,7 +474,7 @@ class Channel:
             if status != "remote":
                 return self._put_done(status, n, key, timeout)
         if n < len(items):
-            msgs = [(w, *_encode(item)) for item, w in zip(items[n:], weights[n:])]
+            msgs = [(w, *_encode(item, self.compress)) for item, w in zip(items[n:], weights[n:])]
             status, m = self._wait(self._actor.put.remote(key, msgs, seconds_left(deadline), _proc()))
             self._put_done(status, n + m, key, timeout)
 
@@ -448,7 +484,7 @@ class Channel:
     async def put_many_async(self, items, key=None, weights=None, timeout: float | None = None) -> None:
         items, weights = self._items(items, weights)
         self._go_remote()
-        msgs = [(w, *_encode(item)) for item, w in zip(items, weights)]
+        msgs = [(w, *_encode(item, self.compress)) for item, w in zip(items, weights)]
         status, n = await self._await(self._actor.put.remote(key, msgs, timeout, _proc()))
         self._put_done(status, n, key, timeout)
 

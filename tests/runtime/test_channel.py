@@ -451,3 +451,43 @@ def test_encode_roundtrip_is_bit_identical(cluster, dtype, shape, transpose):
         kind, data = _encode({"t": t, "pad": torch.zeros(pad // 4)})
         fetched = ray.get(data[0]) if isinstance(data, list) else None
         assert same_bits(_decode(kind, data, fetched)["t"], t)
+
+
+def frames(n: int = 64) -> np.ndarray:
+    """n 64x64 RGB frames of a flat-shaded scene with a cube somewhere: what a simulator's camera gives."""
+    g = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:64, 0:64]
+    out = np.repeat(np.stack([xx // 8 * 20, yy // 16 * 40, np.full_like(xx, 90)], 0)[None], n, 0).astype(np.uint8)
+    for i, (y, x) in enumerate(g.integers(0, 58, (n, 2))):
+        out[i, :, y:y + 6, x:x + 6] = np.array([200, 30, 30], np.uint8)[:, None, None]
+    return out
+
+
+def test_a_compressing_channel_moves_frames_compressed_and_everything_else_as_it_is(cluster):
+    from m2flow.runtime.channel import _decode, _encode
+
+    item = {"frames": frames(), "tensor_frames": torch.from_numpy(frames(32)), "f32": torch.randn(100_000),
+            "small": np.arange(100, dtype=np.uint8)}
+    sizes = {}
+    for compress in (False, True):
+        kind, data = _encode(item, compress)
+        meta, arrays = fetched = ray.get(data[0])
+        sizes[compress] = sorted(a.nbytes for a in arrays)
+        got = _decode(kind, data, fetched)
+        assert np.array_equal(got["frames"], item["frames"]) and got["frames"].dtype == np.uint8
+        assert same_bits(got["tensor_frames"], item["tensor_frames"]) and same_bits(got["f32"], item["f32"])
+        assert np.array_equal(got["small"], item["small"])
+    raw, packed = sizes[False], sizes[True]
+    assert len(raw) == len(packed) and 400_000 in raw and 400_000 in packed  # the float tensor: not compressed
+    assert sum(packed) < sum(raw) - (frames().nbytes + frames(32).nbytes) / 2  # the frames: more than 2x smaller
+    got["frames"][0, 0, 0, 0] = 7  # inflated frames are writable (the last decode's: compressed)
+
+
+def test_frames_through_a_compressing_channel_between_workers(procs):
+    c = Channel.create(f"test-z-{uuid.uuid4().hex[:8]}", compress=True)
+    try:
+        taken = procs[1].run.remote(lambda ch: ch.get(timeout=30), c)
+        ray.get(procs[0].run.remote(lambda ch: ch.put({"obs": torch.from_numpy(frames())}), c))
+        assert torch.equal(ray.get(taken, timeout=30)["obs"], torch.from_numpy(frames()))
+    finally:
+        c.destroy()

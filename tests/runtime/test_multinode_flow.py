@@ -44,3 +44,47 @@ def test_reasoning_flow_runs_across_two_nodes(tmp_path):
     assert len(rows) == 3
     assert sorted(p.name for p in (tmp_path / "two_nodes" / "checkpoints" / "step_3" / "actor_dcp").glob("*.distcp")) \
         == ["__0_0.distcp", "__1_0.distcp"]
+
+
+EMBODIED = START_NODES + textwrap.dedent('''
+    import json, sys
+    import ray
+
+    from m2flow import config as C
+    from m2flow.embodied.config import EmbodiedConfig
+    from m2flow.embodied.flow import train
+    from m2flow.runtime import Cluster
+
+    nodes = start_nodes({"num_cpus": 1, "include_dashboard": False}, {"num_cpus": 1})
+    cluster = Cluster(address=nodes.address, cpu_devices=1)
+    try:
+        assert cluster.num_devices == 2 and cluster.device(0).node_id != cluster.device(1).node_id, cluster
+        for compress in ("true", "false"):
+            cfg = C.load(EmbodiedConfig, "ppo_pickcube", [
+                f"run.dir={sys.argv[1]}", f"run.name=frames_{compress}", "run.progress=false", "run.steps=2",
+                "run.trace=false", "run.save_every=0", "eval.episodes=0", "env.pixels=true", "env.image_size=48",
+                "policy.kind=vla", "vla.dim=32", "vla.layers=1", "vla.heads=2", "env.num_envs=4", "rollout.steps=6",
+                "actor.epochs=1", "actor.minibatch_size=12", f"cluster.compress_frames={compress}",
+                "cluster.placement=env: 0; rollout,actor: 1"])
+            train(cfg, cluster)
+        print("TWO NODES OK")
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+''')
+
+
+@pytest.mark.slow  # over ~4 s: in `make test`, not in `make check`
+def test_frames_cross_nodes_compressed_and_the_run_is_the_same(tmp_path):
+    """cluster.compress_frames on a simulated two-node cluster, ManiSkill3's PickCube from pixels, the env worker on
+    node 0, policy and actor on node 1: the frames travel compressed (the ratio logged), losslessly: the run's
+    losses equal those of the same run without compression."""
+    import json
+
+    code, out = run_script(EMBODIED, tmp_path, str(tmp_path), timeout=420)
+    assert code == 0 and "TWO NODES OK" in out, out[-4000:]
+    runs = {c: [json.loads(line) for line in open(tmp_path / f"frames_{c}" / "metrics.jsonl")] for c in ("true", "false")}
+    assert all(r["env/obs_compression"] > 2 for r in runs["true"]), [r.get("env/obs_compression") for r in runs["true"]]
+    assert not any("env/obs_compression" in r for r in runs["false"])
+    for key in ("actor/pg_loss", "actor/vf_loss", "actor/approx_kl", "actor/grad_norm", "env_steps"):
+        assert [r[key] for r in runs["true"]] == [r[key] for r in runs["false"]], key

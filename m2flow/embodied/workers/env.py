@@ -8,6 +8,8 @@ Obs go to the policy as direct calls (`policy.act(request)` returns a handle at 
 the stage comes round again), not through a channel: a request/answer pair per stage and step is an RPC, and a direct
 call is one hop where a channel round trip is three (put, get, put back through the channel actor), which dominates
 a small policy's step (measured on 2 loaded cores: 1.4 ms vs 8.7 ms). Trajectories, the bulk data, use a channel.
+With `cluster.compress_frames`, uint8 observations (frames) in requests to a policy worker on another node travel
+compressed (runtime/compression.py); the trajectories' channel is made so by the flow.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from m2flow.algorithms import first_episode_mask
 from m2flow.embodied.envs import EnvGroup, Trajectory, make_env_fns
 from m2flow.runtime import Worker, WorkerError, concurrent, wait_all
+from m2flow.runtime import compression
 from m2flow.runtime.files import load_sealed, save_sealed
 from m2flow.runtime.stream import consumers_of
 
@@ -104,11 +107,12 @@ class EnvWorker(Worker):
         timing = {"env_time": 0.0, "wait_time": 0.0, "policy_time": 0.0}
         env_steps, start = 0, time.perf_counter()
         t0 = step * steps  # policy time step of the rollout's first action: the sampling-noise clock
+        wire = self._wire(policy, timing)
 
         def ask(s: int, t: int, obs: np.ndarray, final, values_only: bool):
             lo = self.lo + self.stages[s].env_indices.start  # global index of the stage's first env
             return policy.act({"env_rank": self.rank, "stage": s, "t": t, "lo": lo, "total": self.total,
-                               "obs": obs, "final_obs": final,
+                               "obs": wire(obs), "final_obs": final,
                                "values_only": values_only, "step": step, "trace": trace})
 
         def answer(s: int) -> dict:
@@ -156,6 +160,25 @@ class EnvWorker(Worker):
         for a in range(consumers_of(out, actor_ranks)):
             out.put({"env_rank": self.rank, "traj": traj, "scores": scores}, key=a)
         return {"episodes": episodes, "env_steps": env_steps, "seconds": seconds, **timing}
+
+    def _wire(self, policy, timing: dict):
+        """How this rollout's observations go to `policy`: compressed where they are frames, `cluster.compress_frames`
+        is on and the policy worker sits on another node (their bytes before and after counted in `timing`), else as
+        they are."""
+        if not (self.cfg.cluster.compress_frames and self.devices
+                and policy.info().wait()[0]["node_id"] != self.devices[0].node_id):
+            return lambda obs: obs
+        timing["obs_bytes"] = timing["obs_bytes_sent"] = 0
+
+        def wire(obs: np.ndarray):
+            if not compression.compressible(obs):
+                return obs
+            packed = compression.compress(obs)
+            timing["obs_bytes"] += obs.nbytes
+            timing["obs_bytes_sent"] += packed.nbytes
+            return packed
+
+        return wire
 
     def _scores(self, rows: list[list[dict]], episodes: list[dict]) -> torch.Tensor:
         """GRPO outcome of each env's first episode this rollout: success_once where the env reports success

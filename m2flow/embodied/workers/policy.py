@@ -20,6 +20,7 @@ from m2flow.embodied.policies import (ActorCritic, SquashedGaussianActor, build_
                                      gaussian_logprob, gumbel_noise)
 from m2flow.embodied.vla import GaussianVLA, TokenVLA, build_vla
 from m2flow.runtime import Worker
+from m2flow.runtime.compression import inflate
 from m2flow.runtime.weights import WeightsRef, load_into, loaded_digest
 
 
@@ -136,7 +137,7 @@ class PolicyWorker(Worker):
     @torch.no_grad()
     def act(self, req: dict) -> dict:
         start, wall = time.perf_counter(), time.time()
-        obs, final = readonly_tensor(req["obs"]), req["final_obs"]
+        obs, final = readonly_tensor(inflate(req["obs"])), req["final_obs"]  # frames from another node: compressed
         m = 0 if final is None else len(final)
         if req["values_only"]:  # the rollout's bootstrap: V(next obs), no action
             values = self.policy.value(torch.cat([obs, readonly_tensor(final)]) if m else obs)
