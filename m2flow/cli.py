@@ -203,7 +203,7 @@ def behaviour_clone(args) -> int:
         raise C.UserError(f"sft --demo-episodes must be >= 1, got {args.demo_episodes}")
     try:
         result = behaviour_clone(cfg, args.demos, args.out, steps=args.steps or 2000, episodes=args.demo_episodes,
-                                 batch_size=args.batch_size or 256, lr=args.lr or 1e-3, show=sys.stderr.isatty())
+                                 batch_size=args.batch_size or 256, lr=args.lr or 1e-3)
     except (ValueError, FileNotFoundError) as e:
         raise C.UserError(f"sft --demos: {e}") from None
     print(f"cloned from {result['demo_episodes']} demonstrations ({result['demo_steps']} steps): nll "

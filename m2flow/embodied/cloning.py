@@ -47,6 +47,6 @@ def behaviour_clone(cfg: EmbodiedConfig, demos: str | Path, out: str | Path, ste
               "steps": steps}
     (out / "bc.json").write_text(json.dumps(result, indent=1) + "\n")
     if cfg.eval.episodes:
-        result["eval"] = evaluate_checkpoint(out, cfg.eval.episodes)
+        result["eval"] = evaluate_checkpoint(out, cfg.eval.episodes, show=show)
         (out / "eval.json").write_text(json.dumps(result["eval"], indent=1) + "\n")
     return result

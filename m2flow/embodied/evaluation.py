@@ -14,14 +14,16 @@ from m2flow.embodied.envs import maniskill
 from m2flow.embodied.workers.actor import load_policy
 from m2flow.embodied.workers.env import make_env_group, video_recorder
 from m2flow.embodied.workers.policy import make_policy
-from m2flow.run_dir import latest_checkpoint
+from m2flow.run_dir import latest_checkpoint, progress
 
 
-def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | None = None) -> dict:
+def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | None = None,
+                        show: bool = True) -> dict:
     """Run a checkpoint's policy (or a run directory's newest one) deterministically, with the mode of its action
     distribution, for `episodes` episodes (each env's first episode per round) under the saved obs normalization,
     frozen. Returns mean/std return, mean length, the success rate where the env reports success, and the video
-    folder if `video_dir` (env 0's first episode, recorded where the env renders rgb_array frames)."""
+    folder if `video_dir` (env 0's first episode, recorded where the env renders rgb_array frames). `show`: a progress
+    bar over the episodes (lines at each tenth where stderr is a file)."""
     path = Path(path)
     if not (path / "policy.safetensors").exists() and (found := latest_checkpoint(path)):  # a run directory: its newest
         path = found[1]
@@ -39,7 +41,8 @@ def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | N
     policy = make_policy(cfg, group.observation_space, group.action_space).eval()
     load_policy(policy, path)
     found: list[dict] = []
-    with torch.no_grad():
+    with torch.no_grad(), progress(show) as bar:
+        task = bar.add_task("evaluation", total=episodes, info=str(path))
         for rnd in range(-(-episodes // n)):
             obs, first = group.reset(seed=cfg.eval.seed + rnd * n), {}
             while len(first) < n:
@@ -48,6 +51,7 @@ def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | N
                 for e in group.pop_episodes():
                     first.setdefault(e["env_index"], e)
             found += [first[i] for i in sorted(first)]
+            bar.update(task, completed=min(len(found), episodes))
     group.close()
     found = found[:episodes]
     returns = np.array([e["return"] for e in found])

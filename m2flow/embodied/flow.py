@@ -92,8 +92,8 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
                 if save:
                     saved = save_checkpoint(run.dir, cfg, step + 1, actor, env, env_steps, recent)
                 if evaluate:  # in this process, from the checkpoint just written
-                    last |= {f"eval/{k}": v for k, v in evaluate_checkpoint(saved, cfg.eval.episodes).items()
-                             if isinstance(v, float)}
+                    found = evaluate_checkpoint(saved, cfg.eval.episodes, show=False)  # under the run's bar
+                    last |= {f"eval/{k}": v for k, v in found.items() if isinstance(v, float)}
                 last = run.end_step(step, last, seconds=seconds, info=(
                     f"return {last['rollout/return_window']:.1f}  {last['throughput/env_steps_per_s']:.0f} env steps/s"))
                 if stop:
@@ -105,6 +105,6 @@ def _train(cfg: EmbodiedConfig, cluster: Cluster | None, plan: ExecutionPlan | N
     result = {"metrics": last, "run_dir": str(run.path), "plan": plan.to_dict(), "iterations": step + 1 - start,
               "checkpoint": str(saved) if saved else None}
     if cfg.eval.episodes and saved:
-        result["eval"] = evaluate_checkpoint(saved, cfg.eval.episodes)
+        result["eval"] = evaluate_checkpoint(saved, cfg.eval.episodes, show=cfg.run.progress)
         (run.path / "eval.json").write_text(json.dumps(result["eval"], indent=1))
     return result

@@ -341,7 +341,7 @@ def test_grpo_scores_sparse_success_once():
 # --- checkpoints and evaluation ---
 
 
-def test_checkpoint_round_trip_restores_weights_optimizer_and_normalizer(tmp_path):
+def test_checkpoint_round_trip_restores_weights_optimizer_and_normalizer(tmp_path, capsys):
     cfg = make_cfg()
     env = EnvWorker(cfg)
     policy, actor, box = PolicyWorker(cfg, *env.spaces()), EmbodiedActorWorker(cfg, *env.spaces()), Inbox()
@@ -374,7 +374,10 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_normalizer(tmp_pat
 
     result = evaluate_checkpoint(tmp_path, episodes=3)
     assert result["episodes"] == 3 and result["return_mean"] > 0 and "success_rate" not in result
+    capsys.readouterr()
     assert evaluate_checkpoint(tmp_path, episodes=3) == result  # deterministic
+    assert "evaluation: 3/3" in capsys.readouterr().err  # its progress, where stderr is no terminal
+    assert evaluate_checkpoint(tmp_path, episodes=3, show=False) == result and not capsys.readouterr().err
 
 
 def test_evaluation_records_a_video(tmp_path):
