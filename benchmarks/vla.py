@@ -15,8 +15,8 @@ does the same for one policy on the three tasks (`vla_maniskill3`; OUT/success_T
 mean of the tasks', each task's beside it.
 
 Each plan (`placement@pipeline_stages`) trains `--iterations` PPO iterations of ppo_pickcube with `env.pixels=true
-policy.kind=vla` (the vla section's default sizes, 64x64 frames); the plans run interleaved, `--reps` rounds of
-each. Per plan the medians over rounds of the iterations after the first: the rollout's env steps/s
+policy.kind=vla` (the vla section's default sizes, 64x64 frames; `--preset vla_pickcube`: its both cameras and PPO
+settings); the plans run interleaved, `--reps` rounds of each. Per plan the medians over rounds of the iterations after the first: the rollout's env steps/s
 (`throughput/rollout_env_steps_per_s`), the whole iteration's (with the update), and per iteration the env
 workers' stepping and rendering time (`time/env_time`, the mean over env workers) against the policy workers'
 inference time (`time/policy_time`). The 1-minute load average is printed beside each round: figures taken above 1.0 beside
@@ -57,7 +57,7 @@ def run_plan(plan: str, args, out: Path, rep: int) -> dict:
         (out / name).mkdir(parents=True, exist_ok=True)
         (out / name / "profile.json").write_bytes(first.read_bytes())
         overrides.remove("run.overwrite=true")
-    train(C.load(EmbodiedConfig, "ppo_pickcube", overrides))
+    train(C.load(EmbodiedConfig, args.preset or "ppo_pickcube", overrides))
     rows = [json.loads(line) for line in open(out / name / "metrics.jsonl")][1:]
     got = {k: statistics.median(r[key] for r in rows) for k, key in KEYS.items()}
     plan_yaml = C.read_yaml(out / name / "plan.yaml")
@@ -133,7 +133,8 @@ def main() -> None:
     p.add_argument("--success", action="store_true", help="instead: the clone's success against PPO's from it")
     p.add_argument("--task", default="PickCube-v1", help="--success: the ManiSkill3 task, or several, comma-separated "
                                                          "(one policy on all: vla_maniskill3)")
-    p.add_argument("--preset", default=None, help="--success: default vla_pickcube (one task), vla_maniskill3")
+    p.add_argument("--preset", default=None, help="the plans' config (default ppo_pickcube with the VLA on pixels); "
+                                                  "--success: default vla_pickcube (one task), vla_maniskill3")
     p.add_argument("--demos", type=int, default=300, help="--success: demonstrations recorded per task")
     p.add_argument("--clone", type=int, default=60, help="--success: the first N demonstrations of each task cloned")
     p.add_argument("--bc-steps", type=int, default=1500, help="--success: behaviour cloning's Adam steps (of 128)")
