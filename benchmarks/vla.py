@@ -88,6 +88,8 @@ def success(args) -> None:
         sh([M2FLOW, "sft", preset, str(bc), "--demos", ",".join(demos), "--demo-episodes", str(args.clone),
             "--steps", str(args.bc_steps), "--batch-size", "128", *common], out / f"bc{args.clone}.log")
     row = {"tasks": tasks, "demo_episodes": args.clone, "bc": per_task(bc / "eval.json", tasks), "ppo": {}}
+    if (out / "row.json").exists():  # the seeds run before, from the same clone: kept beside this call's
+        row["ppo"] = json.loads((out / "row.json").read_text())["ppo"]
     for seed in args.seeds.split(","):
         name = f"ppo_bc{args.clone}_seed{seed}"
         cmd = [M2FLOW, "train", preset, *common, f"policy.init={bc}", f"run.seed={seed}", f"run.dir={out}",
