@@ -46,7 +46,8 @@ class EmbodiedClusterConfig(ClusterConfig):
 @dataclass
 class EnvConfig:
     id: str = opt("CartPole-v1", "gymnasium env id (classic control, MuJoCo, or 'module:Env-v0'), or ManiSkill3's "
-                                 "PickCube-v1 | PushCube-v1 | StackCube-v1 (several, comma-separated, with instruct)")
+                                 "PickCube-v1 | PushCube-v1 | StackCube-v1 (several, comma-separated, with instruct "
+                                 "or pixels: env i of each env worker runs task i % n)")
     num_envs: int = opt(8, "envs in total, split evenly over the env workers", within="[1, inf)")
     pipeline_stages: int = opt(1, "env groups per env worker: the policy infers for one while the simulator steps "
                                "another (1: lockstep)", within="[1, inf)")
