@@ -91,12 +91,12 @@ def success(args) -> None:
     if (out / "row.json").exists():  # the seeds run before, from the same clone: kept beside this call's
         row["ppo"] = json.loads((out / "row.json").read_text())["ppo"]
     for seed in args.seeds.split(","):
-        name = f"ppo_bc{args.clone}_seed{seed}"
+        name = f"ppo_bc{args.clone}_seed{seed}" + (f"_{args.tag}" if args.tag else "")
         cmd = [M2FLOW, "train", preset, *common, f"policy.init={bc}", f"run.seed={seed}", f"run.dir={out}",
                f"run.name={name}", "run.overwrite=true", *args.overrides]
         with LoadSampler() as load:
             seconds = sh(cmd, out / f"{name}.log")
-        row["ppo"][seed] = {**rl_figures(out / name), **per_task(out / name / "eval.json", tasks),
+        row["ppo"][seed + (f" {args.tag}" if args.tag else "")] = {**rl_figures(out / name), **per_task(out / name / "eval.json", tasks),
                             "wall_s": round(seconds), "load": load.summary(),
                             "command": shlex.join(["m2flow", *cmd[1:]])}
     (out / "row.json").write_text(json.dumps(row, indent=1) + "\n")
@@ -141,6 +141,8 @@ def main() -> None:
     p.add_argument("--clone", type=int, default=60, help="--success: the first N demonstrations of each task cloned")
     p.add_argument("--bc-steps", type=int, default=1500, help="--success: behaviour cloning's Adam steps (of 128)")
     p.add_argument("--seeds", default="0,1", help="--success: the RL runs' seeds (run.seed)")
+    p.add_argument("--tag", default="", help="--success: a name for these PPO runs' variant (the overrides), kept "
+                                             "apart from the preset's in row.json")
     p.add_argument("--episodes", type=int, default=None, help="--success: deterministic held-out episodes (default: "
                                                                "the preset's eval.episodes, 100 and 120)")
     p.add_argument("overrides", nargs="*", help="config overrides for every run (vla.*, env.image_size, ...; "
