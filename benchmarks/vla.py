@@ -96,7 +96,8 @@ def success(args) -> None:
                f"run.name={name}", "run.overwrite=true", *args.overrides]
         with LoadSampler() as load:
             seconds = sh(cmd, out / f"{name}.log")
-        row["ppo"][seed + (f" {args.tag}" if args.tag else "")] = {**rl_figures(out / name), **per_task(out / name / "eval.json", tasks),
+        key = seed + (f" {args.tag}" if args.tag else "")
+        row["ppo"][key] = {**rl_figures(out / name), **per_task(out / name / "eval.json", tasks),
                             "wall_s": round(seconds), "load": load.summary(),
                             "command": shlex.join(["m2flow", *cmd[1:]])}
     (out / "row.json").write_text(json.dumps(row, indent=1) + "\n")
@@ -104,7 +105,8 @@ def success(args) -> None:
     print(f"\n{args.task}: clone of {args.clone} demonstrations per task, deterministic success {clone['success']:.0%}"
           + "".join(f", {t} {clone[t]:.0%}" for t in tasks if len(tasks) > 1) + " on the held-out episodes\n")
     each = [t for t in tasks if len(tasks) > 1]
-    print("| RL seed | after PPO | lift |" + "".join(f" {t} |" for t in each) + " env steps | wall s | env steps/s | load |")
+    print("| RL seed | after PPO | lift |" + "".join(f" {t} |" for t in each)
+          + " env steps | wall s | env steps/s | load |")
     print("| --- | --- | --- |" + " --- |" * len(each) + " --- | --- | --- | --- |")
     for seed, r in row["ppo"].items():
         print(f"| {seed} | {r['success']:.0%} | {100 * (r['success'] - clone['success']):+.0f} points |"

@@ -49,12 +49,15 @@ STAGES = (1, 2, 4)  # env pipeline stages the planner considers: rows at num_env
 
 class EnvProbe(Probe, EnvWorker):
     def resize(self, num_envs: int) -> None:
-        """Rebuild with `num_envs` envs in total (this rank's share: num_envs / ranks), in lockstep."""
+        """Rebuild with `num_envs` envs in total (this rank's share: num_envs / ranks), in lockstep; left as it is
+        where it already has them (a ManiSkill3 env with cameras takes a good part of a second to build)."""
         base = self.__dict__.setdefault("base_cfg", self.cfg)
         groups = base.env.seed_groups if num_envs == base.env.num_envs else 1
+        env = dataclasses.replace(base.env, num_envs=num_envs, pipeline_stages=1, seed_groups=groups)
+        if env == self.cfg.env:
+            return
         self.group.close()
-        EnvWorker.__init__(self, dataclasses.replace(base, env=dataclasses.replace(
-            base.env, num_envs=num_envs, pipeline_stages=1, seed_groups=groups)))
+        EnvWorker.__init__(self, dataclasses.replace(base, env=env))
 
 
 class _PolicyProbe(Probe):
@@ -139,7 +142,7 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                 groups.append(actor)
                 sync_weights(actor.on([0]), [policy], check=True)
                 policy_of = [policy.on(r) for r in range(d)]
-                for b in (b for b in batches if b % d == 0):
+                for b in sorted((b for b in batches if b % d == 0), reverse=True):  # the launched envs first
                     env.resize(b).wait()
                     for i in range(repeats + 1):  # the first rollout of each size warms up
                         outs = env.per_rank.rollout([(policy_of[r], trajectories, steps, step, ranks)
@@ -158,15 +161,17 @@ def profile_embodied(cfg, cluster: Cluster, batches: list[int] | None = None, ou
                         cells = {"env": scale * max(o["seconds"] - o["wait_time"] for o in outs),
                                  "rollout": scale * max(o["policy_time"] for o in outs)}
                         if d == 1 and b == num_envs:
-                            info.setdefault("shared", []).append(scale * (outs[0]["wait_time"] - outs[0]["policy_time"]))
+                            waits = outs[0]["wait_time"] - outs[0]["policy_time"]
+                            info.setdefault("shared", []).append(scale * waits)
                             info.setdefault("lockstep", []).append(scale * outs[0]["seconds"])
                         if b == num_envs:
                             cells["actor"] = scale * r["seconds"]
+                        env_steps = sum(o["env_steps"] for o in outs)
                         for name, seconds in cells.items():
                             peak = r["peak_bytes"] if name == "actor" else 0
                             rows.setdefault((name, b, d), []).append({"seconds": seconds, "peak_bytes": peak})
                             details["calls"].append({"component": name, "batch": b, "devices": d,
-                                                     "seconds": seconds, "env_steps": sum(o["env_steps"] for o in outs)})
+                                                     "seconds": seconds, "env_steps": env_steps})
                 for _ in range(repeats):
                     t = time.perf_counter()
                     sync_weights(actor.on([0]), [policy], check=cfg.rollout.checks_sync(2))  # as in a run's steady state

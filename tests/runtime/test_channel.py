@@ -464,7 +464,7 @@ def frames(n: int = 64) -> np.ndarray:
 
 
 def test_a_compressing_channel_moves_frames_compressed_and_everything_else_as_it_is(cluster):
-    from m2flow.runtime.channel import _decode, _encode
+    from m2flow.runtime.channel import _INLINE, _decode, _encode
 
     item = {"frames": frames(), "tensor_frames": torch.from_numpy(frames(32)), "f32": torch.randn(100_000),
             "small": np.arange(100, dtype=np.uint8)}
@@ -481,6 +481,8 @@ def test_a_compressing_channel_moves_frames_compressed_and_everything_else_as_it
     assert len(raw) == len(packed) and 400_000 in raw and 400_000 in packed  # the float tensor: not compressed
     assert sum(packed) < sum(raw) - (frames().nbytes + frames(32).nbytes) / 2  # the frames: more than 2x smaller
     got["frames"][0, 0, 0, 0] = 7  # inflated frames are writable (the last decode's: compressed)
+    kind, data = _encode({"frames": frames(8)}, True)  # 96 kB of frames, small once compressed: they ride inline
+    assert kind == _INLINE and np.array_equal(_decode(kind, data, None)["frames"], frames(8))
 
 
 def test_frames_through_a_compressing_channel_between_workers(procs):

@@ -83,7 +83,8 @@ def test_frames_cross_nodes_compressed_and_the_run_is_the_same(tmp_path):
 
     code, out = run_script(EMBODIED, tmp_path, str(tmp_path), timeout=420)
     assert code == 0 and "TWO NODES OK" in out, out[-4000:]
-    runs = {c: [json.loads(line) for line in open(tmp_path / f"frames_{c}" / "metrics.jsonl")] for c in ("true", "false")}
+    runs = {c: [json.loads(line) for line in open(tmp_path / f"frames_{c}" / "metrics.jsonl")]
+            for c in ("true", "false")}
     assert all(r["env/obs_compression"] > 2 for r in runs["true"]), [r.get("env/obs_compression") for r in runs["true"]]
     assert not any("env/obs_compression" in r for r in runs["false"])
     for key in ("actor/pg_loss", "actor/vf_loss", "actor/approx_kl", "actor/grad_norm", "env_steps"):

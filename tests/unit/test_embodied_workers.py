@@ -380,6 +380,23 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_normalizer(tmp_pat
     assert evaluate_checkpoint(tmp_path, episodes=3, show=False) == result and not capsys.readouterr().err
 
 
+def test_the_profilers_env_probe_builds_envs_only_when_their_count_changes():
+    from m2flow.embodied.profiler import EnvProbe
+
+    env = EnvProbe(make_cfg())
+    launched = env.group
+    env.resize(6)  # what it was launched with: kept
+    assert env.group is launched and env.group.num_envs == 6
+    env.resize(3)
+    assert env.group is not launched and env.group.num_envs == 3 and env.cfg.env.seed_groups == 1
+    smaller = env.group
+    env.resize(3)
+    assert env.group is smaller
+    env.resize(6)  # back to the config's count: built again, with its seed groups
+    assert env.group.num_envs == 6 and env.group is not smaller and env.cfg.env == make_cfg().env
+    env.group.close()
+
+
 def test_evaluation_records_a_video(tmp_path):
     cfg = make_cfg(env={"id": BLINK_ENV, "norm_obs": False, "norm_reward": False, "max_episode_steps": 12})
     actor = EmbodiedActorWorker(cfg, *EnvWorker(cfg).spaces())
