@@ -111,8 +111,7 @@ def _tensor_from_bytes(data: np.ndarray, dtype: str, shape: tuple, requires_grad
 
 def _inflated(data, shape: tuple, tensor: bool):
     """A compressed uint8 array or tensor, inflated (writable)."""
-    size = int(np.prod(shape))
-    array = np.frombuffer(bytearray(compression.decompress_bytes(data, size)), np.uint8).reshape(shape)
+    array = compression.unpack(data, np.uint8, shape)
     if tensor:
         import torch
 

@@ -26,8 +26,7 @@ def _zstd():
     try:
         import zstandard
     except ImportError as e:  # a dependency of m2flow: only a broken environment lacks it
-        raise ImportError("frame compression (cluster.compress_frames) needs the zstandard package: "
-                          "pip install zstandard") from e
+        raise ImportError("compressing frames needs the zstandard package: pip install zstandard") from e
     return zstandard
 
 
@@ -48,18 +47,17 @@ def compress(array: np.ndarray) -> Compressed:
     return Compressed(_zstd().ZstdCompressor(level=LEVEL).compress(a.data), a.dtype.str, a.shape)
 
 
-def decompress_bytes(data, nbytes: int) -> bytes:
-    """`data` (any buffer) decompressed into `nbytes` bytes."""
-    return _zstd().ZstdDecompressor().decompress(data, max_output_size=nbytes)
+def unpack(data, dtype, shape: tuple) -> np.ndarray:
+    """The array whose bytes `data` (any buffer) holds compressed: writable."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
+    raw = _zstd().ZstdDecompressor().decompress(data, max_output_size=size)
+    return np.frombuffer(bytearray(raw), dtype).reshape(shape)
 
 
 def inflate(x):
     """The array of a `Compressed` (writable), anything else as it is."""
-    if not isinstance(x, Compressed):
-        return x
-    dtype = np.dtype(x.dtype)
-    size = int(np.prod(x.shape)) * dtype.itemsize
-    return np.frombuffer(bytearray(decompress_bytes(x.data, size)), dtype).reshape(x.shape)
+    return unpack(x.data, x.dtype, x.shape) if isinstance(x, Compressed) else x
 
 
 def compressible(array) -> bool:
