@@ -11,21 +11,34 @@ from m2flow import config as C
 from m2flow.api import train as api_train
 from m2flow.reasoning.config import ReasoningConfig
 from m2flow.reasoning.flow import train
+from m2flow.reasoning.warm_start import prepare_model
 
 TOOL_TRACE_TOKENS = 44  # <calc>37+45</calc><result>82</result>82 and eos, with room
 
 
+BASE = ["run.progress=false", "run.trace=false", "run.steps=2", "run.eval_every=2", "data.eval_size=40",
+        "data.train_size=2000", "sft.steps=300", "sft.batch_size=64", "rollout.prompts_per_step=8", "rollout.n=4",
+        f"rollout.max_new_tokens={TOOL_TRACE_TOKENS}", "cluster.placement=rollout,reward,inference,actor: 0-1:0"]
+TOOLS = "agent.tools={calc: calc}"
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    """`model.path` of the warm start the runs with the calculator share (BASE's 300 steps on tool-use traces, the
+    flow's own `prepare_model`): run once for the module instead of once per run, with `sft.steps=0` in the runs."""
+    where = tmp_path_factory.mktemp("tool_warm_start")
+    path = prepare_model(C.load(ReasoningConfig, None, [f"run.dir={where}", *BASE, TOOLS]), where)
+    return [f"model.path={path}", "sft.steps=0"]
+
+
 def run(cluster, tmp_path, name, *overrides, trainer=train):
-    base = [f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false", "run.trace=false", "run.steps=2",
-            "run.eval_every=2", "data.eval_size=40", "data.train_size=2000", "sft.steps=300", "sft.batch_size=64",
-            "rollout.prompts_per_step=8", "rollout.n=4", f"rollout.max_new_tokens={TOOL_TRACE_TOKENS}",
-            "cluster.placement=rollout,reward,inference,actor: 0-1:0"]
+    base = [f"run.dir={tmp_path}", f"run.name={name}", *BASE]
     trainer(C.load(ReasoningConfig, None, base + list(overrides)), cluster=cluster)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_grpo_run_calls_the_calculator_and_trains_only_the_tokens_the_model_wrote(cluster, tmp_path):
-    tools = run(cluster, tmp_path, "tools", "agent.tools={calc: calc}", "run.trace=true")
+def test_a_grpo_run_calls_the_calculator_and_trains_only_the_tokens_the_model_wrote(cluster, tmp_path, tool_model):
+    tools = run(cluster, tmp_path, "tools", TOOLS, *tool_model, "run.trace=true")
     plain = run(cluster, tmp_path, "plain")
     # the tool component (placed beside the reward: here in the one collocated process) answered the calls
     plan = (tmp_path / "tools" / "plan.yaml").read_text()
@@ -54,7 +67,7 @@ def test_grpo_steps_raise_the_tool_call_success_rate(cluster, tmp_path):
     """A warm start where half the references call the calculator (`sft.tool_fraction=0.5`) leaves a model that calls
     it on about half of its samples, and is mostly right when it does. GRPO rewards the right answers, so within a
     few steps the model calls the calculator, with calls it answers, on most samples, and held-out accuracy rises."""
-    rows = run(cluster, tmp_path, "mixed", "agent.tools={calc: calc}", "sft.tool_fraction=0.5", "sft.steps=600",
+    rows = run(cluster, tmp_path, "mixed", TOOLS, "sft.tool_fraction=0.5", "sft.steps=600",
                "actor.lr=2e-4", "rollout.prompts_per_step=16", "rollout.n=8", "run.steps=10", "run.eval_every=10",
                "data.eval_size=100")
     steps = [r for r in rows if "agent/ok" in r]
@@ -73,17 +86,15 @@ def test_grpo_steps_raise_the_tool_call_success_rate(cluster, tmp_path):
     assert len(held_out) == 2 and held_out[1] >= held_out[0] + 0.1, held_out
 
 
-def test_an_agent_run_in_the_pipelined_plan_resumes_as_an_uninterrupted_run(cluster, tmp_path):
+def test_an_agent_run_in_the_pipelined_plan_resumes_as_an_uninterrupted_run(cluster, tmp_path, tool_model):
     """Rollout on device 0 streams multi-turn groups to reward, inference and actor on device 1 (the loss masks
     travel with them through the merged passes), the tool component there answering its calls; a run stopped after
     step 2 and resumed gives step 3 as a run that went through, from the same warm start (the draws do not depend on
     when an answer comes back)."""
-    tools = ["agent.tools={calc: calc}", "cluster.placement=rollout: 0; reward,inference,actor: 1", "run.eval_every=0"]
+    tools = [TOOLS, *tool_model, "cluster.placement=rollout: 0; reward,inference,actor: 1", "run.eval_every=0"]
     full = run(cluster, tmp_path, "full", *tools, "run.steps=3")
-    start = f"model.path={tmp_path / 'full' / 'sft_model'}"
-    run(cluster, tmp_path, "parted", *tools, start, "sft.steps=0", "run.steps=2", "run.save_every=2")
-    parted = run(cluster, tmp_path, "parted", *tools, start, "sft.steps=0", "run.steps=3", "run.save_every=2",
-                 "run.resume=true")
+    run(cluster, tmp_path, "parted", *tools, "run.steps=2", "run.save_every=2")
+    parted = run(cluster, tmp_path, "parted", *tools, "run.steps=3", "run.save_every=2", "run.resume=true")
     assert [r["step"] for r in parted] == [1, 2, 3] and full[0]["agent/calls"] >= 0.5
     # the tool component, beside the reward on device 1 in a process of its own, answered over Ray
     assert "reward,inference,actor,tool: 1" in (tmp_path / "full" / "plan.yaml").read_text()
@@ -93,11 +104,12 @@ def test_an_agent_run_in_the_pipelined_plan_resumes_as_an_uninterrupted_run(clus
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k, a[k], b[k])
 
 
-def test_auto_mode_profiles_the_rollout_with_its_tool_calls_and_places_the_tools_beside_the_reward(cluster, tmp_path):
+def test_auto_mode_profiles_the_rollout_with_its_tool_calls_and_places_the_tools_beside_the_reward(
+        cluster, tmp_path, tool_model):
     """`cluster.placement=auto` with tools: the profiler's rollout calls the tool component (in its process, as a
     collocated plan has it), so the rollout's measured times include the waits for the answers; the tool component
     takes no device, and the chosen plan puts it beside the reward."""
-    rows = run(cluster, tmp_path, "auto", "agent.tools={calc: calc}", "cluster.placement=auto", "run.eval_every=0",
+    rows = run(cluster, tmp_path, "auto", TOOLS, *tool_model, "cluster.placement=auto", "run.eval_every=0",
                trainer=api_train)
     details = json.loads((tmp_path / "auto" / "profile_details.json").read_text())
     assert {c["devices"] for c in details["tool_calls"]} == {1, 2}
@@ -108,10 +120,10 @@ def test_auto_mode_profiles_the_rollout_with_its_tool_calls_and_places_the_tools
 
 
 
-def test_ppo_with_a_critic_trains_an_agent_on_the_models_tokens(cluster, tmp_path):
+def test_ppo_with_a_critic_trains_an_agent_on_the_models_tokens(cluster, tmp_path, tool_model):
     """`algorithm.name=ppo` with tools: the critic values the model's tokens only (GAE steps over the tools' answers,
     unit-tested in test_algorithms_advantages.py), and the run trains on as GRPO's does."""
-    rows = run(cluster, tmp_path, "ppo", "agent.tools={calc: calc}", "algorithm.name=ppo", "algorithm.advantage=gae",
+    rows = run(cluster, tmp_path, "ppo", TOOLS, *tool_model, "algorithm.name=ppo", "algorithm.advantage=gae",
                "critic.lr=5e-4", "run.eval_every=0")
     for r in rows:
         assert r["agent/calls"] >= 0.5 and 0.3 < r["actor/tool_token_frac"] < 0.6, r
