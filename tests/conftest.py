@@ -94,6 +94,20 @@ def cluster():
 
 
 @pytest.fixture(scope="session")
+def demo_warm_start(tmp_path_factory):
+    """The main job's warm start stopped at 40% of its held-back problems (the demo preset, seed 0), built once for
+    the learning tests that start GRPO from it (test_demo, test_off_policy) with the flow's own `prepare_model`:
+    their overrides `model.path=...` and `sft.steps=0` (the RL data does not depend on the warm start's settings)."""
+    from m2flow import config as C
+    from m2flow.reasoning.config import ReasoningConfig
+    from m2flow.reasoning.warm_start import prepare_model
+
+    where = tmp_path_factory.mktemp("demo_warm_start")
+    cfg = C.load(ReasoningConfig, "demo", [f"run.dir={where}", "run.progress=false", "sft.target_accuracy=0.4"])
+    return [f"model.path={prepare_model(cfg, where)}", "sft.steps=0"]
+
+
+@pytest.fixture(scope="session")
 def gpu_cluster():
     """A Cluster whose devices are this machine's GPUs (for the tests marked `cuda`)."""
     import torch

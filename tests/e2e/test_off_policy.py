@@ -77,7 +77,7 @@ def test_one_step_off_policy_learns(cluster, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_one_step_off_policy_raises_held_out_accuracy_on_arithmetic(cluster, tmp_path):
+def test_one_step_off_policy_raises_held_out_accuracy_on_arithmetic(cluster, tmp_path, demo_warm_start):
     """The main job's task and settings (the demo: tiny Qwen2, answers as three digits, exact-match reward, four
     mini-batches a step) from its warm start stopped at 40% of the held-back problems, pipelined, every sample one
     weight version old: 40 GRPO steps at lr 1e-4 raise held-out greedy pass@1 on 200 problems by at least 10 points.
@@ -87,7 +87,7 @@ def test_one_step_off_policy_raises_held_out_accuracy_on_arithmetic(cluster, tmp
 
     result = run_demo([f"run.dir={tmp_path}", "run.name=heldout", "run.progress=false", "run.steps=40",
                        "run.eval_every=0", "run.save_every=0", "data.eval_size=200", "actor.lr=1e-4",
-                       "sft.target_accuracy=0.4", "algorithm.max_staleness=1", PIPELINED], cluster)
+                       "algorithm.max_staleness=1", PIPELINED, *demo_warm_start], cluster)
     metrics = rows(tmp_path / "heldout")
     assert [r["actor/staleness_max"] for r in metrics] == [0] + [1] * 39 and all(
         r["actor/staleness_mean"] == r["actor/staleness_max"] for r in metrics)  # every sample exactly one step old
