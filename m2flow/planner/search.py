@@ -24,6 +24,11 @@ __all__ = ["Candidate", "SearchResult", "search", "device_splits", "micro_batch_
 EXHAUSTIVE_SPLITS = 1000  # enumerate every device split when there are at most this many, else the sensible ones
 MAX_MICRO_BATCHES = 256  # fewest samples per micro-batch: batch / 256
 ENV_STAGES = (1, 2, 4)
+# A second process of the loop's first stage per device is offered only where the profile measured it at least this
+# much faster (loop_latency.two_ranks_scale at most 1 - TWO_RANKS_MIN_GAIN): one probe rollout decides it, the
+# profiler's repeated rows spread by about 10% here, and the probe does not see what four env processes beside the
+# policy and actor cost in a run (measured: a scale of 0.98 picked two per device, which then ran 25-40% slower).
+TWO_RANKS_MIN_GAIN = 0.1
 
 
 @dataclass
@@ -245,10 +250,10 @@ def search(profile: Profile, num_devices: int, top: int = 10, components: list[s
     model = CostModel(profile, batch)
     head = model.head
     micro = micro_batch_sizes(batch)
-    # the loop's first stage as two processes per device too, where the profile measured that faster: a second
-    # process on a device helps only a stage that waits on something other than its core (a renderer's latency)
+    # the loop's first stage as two processes per device too, where the profile measured that clearly faster: a
+    # second process on a device helps only a stage that waits on something other than its core (a renderer's latency)
     two = profile.loop_latency.two_ranks_scale if profile.loop else None
-    loop_ranks = (1, 2) if two is not None and two < 1 else (1,)
+    loop_ranks = (1, 2) if two is not None and two <= 1 - TWO_RANKS_MIN_GAIN else (1,)
     feasible: list[Candidate] = []
     evaluated = infeasible = 0
     examples: list[str] = []

@@ -13,6 +13,7 @@ from m2flow import config as C
 from m2flow.api import measure_plan, train
 from m2flow.embodied.config import EmbodiedConfig
 from m2flow.planner.profile import Profile
+from m2flow.planner.search import TWO_RANKS_MIN_GAIN
 from m2flow.runtime import parse_placement
 
 COMPONENTS = ["env", "rollout", "actor"]
@@ -47,12 +48,13 @@ def test_embodied_auto_picks_the_plan_it_predicts_fastest_and_every_plan_runs(cl
     env_calls = [c for c in details["calls"] if c["component"] == "env"]
     assert env_calls and all(c["env_steps"] == c["batch"] * PROFILE_STEPS for c in env_calls), env_calls
     # two env workers on one device, timed against one: the planner adds such plans only where they measured faster
+    # by more than the probe's noise
     two_ranks = profile.loop_latency.two_ranks_scale
     assert two_ranks is not None and two_ranks > 0
     plan, plans, report = auto_outputs(run, STEPS)
     assert plan["pipeline_stages"] == plans[0]["pipeline_stages"]
     doubled = [c for c in plans if c.get("loop_ranks", 1) == 2]
-    assert bool(doubled) == (two_ranks < 1), (two_ranks, doubled)
+    assert bool(doubled) == (two_ranks <= 1 - TWO_RANKS_MIN_GAIN), (two_ranks, doubled)
     for c in doubled:
         assert parse_placement(c["placement_spec"], 2, COMPONENTS)["env"].world_size == 4, c
     # every placement the flow can run on 2 devices, at the stage count the planner ranks best for it

@@ -5,6 +5,7 @@ import pytest
 
 from m2flow.embodied.plans import COMPONENTS, embodied_plans
 from m2flow.planner.profile import Profile
+from m2flow.planner.search import TWO_RANKS_MIN_GAIN
 from m2flow.runtime.placement import parse_placement
 
 
@@ -152,8 +153,9 @@ def test_the_planner_plans_the_components_the_embodied_config_places():
 def test_two_env_workers_per_device_where_the_profile_measured_them_faster():
     """`loop_latency.two_ranks_scale` (the profiler's rollout with two env workers on one device): below 1 (an env
     that waits on its renderer, not its core) the search adds plans with two env workers per device, their env rows
-    scaled by it, and the flow can launch them; at 1 or more (a core-bound env, as on this machine's CPU devices), or
-    unmeasured, it offers one env worker per device only."""
+    scaled by it, and the flow can launch them; at 1 or more (a core-bound env, as on this machine's CPU devices),
+    within the probe's noise of 1 (less than TWO_RANKS_MIN_GAIN faster), or unmeasured, it offers one env worker per
+    device only."""
     base = profile(env=1.0, policy=0.1, actor=0.05)
     fast = Profile.from_dict({**base.to_dict(), "loop_latency": {"two_ranks_scale": 0.5}}, source="<hand-made>")
     r = embodied_plans(fast, 2)
@@ -174,7 +176,10 @@ def test_two_env_workers_per_device_where_the_profile_measured_them_faster():
     # SAC's learner stays one process over its devices beside them
     assert embodied_plans(fast, 2, one_learner=True).best.spec == "env: 0-1:0-3; rollout: 0-1; actor: 0-1:0"
     assert fast.to_dict()["loop_latency"] == {"shared": 0.0, "split": 0.0, "two_ranks_scale": 0.5}
-    for scale in (None, 1.0, 1.4):  # unmeasured, or no faster: one env worker per device
+    assert TWO_RANKS_MIN_GAIN == 0.1
+    edge = Profile.from_dict({**base.to_dict(), "loop_latency": {"two_ranks_scale": 0.9}}, source="<hand-made>")
+    assert {c.loop_ranks for c in embodied_plans(edge, 2).candidates} == {1, 2}  # 10% faster: offered
+    for scale in (None, 0.98, 1.0, 1.4):  # unmeasured, faster by less than the noise, or no faster: one per device
         p = base if scale is None else Profile.from_dict({**base.to_dict(), "loop_latency": {"two_ranks_scale": scale}},
                                                           source="<hand-made>")
         got = embodied_plans(p, 2).candidates
