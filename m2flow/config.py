@@ -138,7 +138,9 @@ class RunConfig:
     overwrite: bool = opt(False, "start over in a run directory that holds a run: remove everything in it first "
                                  "(metrics, checkpoints, plots, warm-start model, profile); without it such a "
                                  "directory is refused unless run.resume")
-    trace: bool = opt(True, "write trace.json and plots/timeline.png")
+    trace: bool = opt(True, "write trace.json (and with run.plots, plots/timeline.png)")
+    plots: bool = opt(True, "draw plots/*.png at the end (about a second; metrics.jsonl and TensorBoard hold the same "
+                            "curves)")
     progress: bool = opt(True, "show a progress bar")
 
     def validate(self, where: str) -> None:

@@ -73,6 +73,17 @@ def test_cartpole_ppo_preset_reaches_475(cluster, tmp_path):
     assert (last / "policy.safetensors").exists() and (last / "COMPLETE").exists()
 
 
+def test_run_plots_false_draws_no_png_and_keeps_the_rest(cluster, tmp_path):
+    """`run.plots=false` (sweeps, tests): no PNG under plots/, neither the metric curves nor the timeline; the
+    metrics, TensorBoard, trace.json and checkpoints are written as with plots (test_cartpole_ppo_preset_reaches_475
+    checks the PNGs of a run with them)."""
+    result = train(cfg_for(tmp_path, "noplots", run={"plots": False}), cluster)
+    run = tmp_path / "noplots"
+    assert len(rows(result)) == 2 and list((run / "tb").iterdir())
+    assert (run / "trace.json").exists() and (run / "checkpoints" / "step_2" / "COMPLETE").exists()
+    assert not list(run.rglob("*.png"))
+
+
 def test_target_kl_stops_every_actor_rank_at_the_same_minibatch(cluster, tmp_path):
     """`algorithm.target_kl` decides on the ranks' mean KL (`mean_over_ranks`), the KL one rank over the same data
     decides on: a 2-rank actor stops where one rank stops. (Where each rank decided on its own share's KL, a rank that
