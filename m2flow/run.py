@@ -118,18 +118,19 @@ class Run:
         """After the last step: the held row, the trace (trace.json; with run.plots plots/timeline.png and, with
         `zoom`, one step of those components, `last_step` bounding which), with run.plots the metric plots."""
         self.write_held()
-        draw = self.cfg.run.plots
+        spans = None
         if self.cfg.run.trace:
             spans = self.trace if self.each_step else [s for g in self.groups for s in g.spans()]
             write_chrome_trace(spans, self.path / "trace.json", counters=self.counters or None)
-            if draw:
-                plot_timeline(spans, self.path / "plots" / "timeline.png")
-            if draw and self.zoom and last_step is not None:  # one step, zoomed in: e.g. env stages and policy
+        if not self.cfg.run.plots:
+            return
+        if spans is not None:
+            plot_timeline(spans, self.path / "plots" / "timeline.png")
+            if self.zoom and last_step is not None:  # one step, zoomed in: e.g. env stages and policy side by side
                 one = min(self.start + 1, last_step)
                 plot_timeline([s for s in spans if s["step"] == one and s["component"] in self.zoom],
                               self.path / "plots" / "timeline_rollout.png", title=f"rollout of iteration {one + 1}")
-        if draw:
-            self.dir.plot(self.plots)
+        self.dir.plot(self.plots)
 
     def close(self) -> None:
         self.dir.close()
