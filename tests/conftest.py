@@ -43,6 +43,31 @@ _STDERR_FD: list[int] = []
 
 def pytest_configure(config):
     _STDERR_FD.append(os.dup(sys.stderr.fileno()))  # the terminal's stderr (tests' own output is captured)
+    _runs_draw_no_plots_unless_asked()
+
+
+def _runs_draw_no_plots_unless_asked() -> None:
+    """The suite's ~190 runs in this process draw their PNGs (about a second each) only where a test asks: a config
+    loaded with `config.load` that does not set `run.plots` (in its file, mapping or overrides) gets
+    `run.plots=false`. The tests that look at plots/ pass `run.plots=true`; runs started as CLI subprocesses draw as
+    a user's do; test_run_plots_false_draws_no_png_and_keeps_the_rest checks what the setting leaves out."""
+    from m2flow import config as C
+
+    load = C.load
+
+    def says_plots(config, overrides) -> bool:
+        if any(item.startswith("run.plots=") for item in overrides or []):
+            return True
+        data = {} if config is None else config if isinstance(config, dict) else C.read_yaml(C.resolve_path(config))
+        return "plots" in (data.get("run") or {})
+
+    def load_without_plots(cls, config=None, overrides=None):
+        cfg = load(cls, config, overrides)
+        if hasattr(getattr(cfg, "run", None), "plots") and not says_plots(config, overrides):
+            cfg.run.plots = False
+        return cfg
+
+    C.load = load_without_plots
 
 
 @pytest.hookimpl(wrapper=True, trylast=True)

@@ -10,7 +10,7 @@ from m2flow.demo import run_demo
 
 
 def test_demo_shows_the_curve_the_table_and_the_last_line(cluster, tmp_path, capsys):
-    result = run_demo([f"run.dir={tmp_path}", "run.progress=false", "run.steps=4", "run.eval_every=2",
+    result = run_demo([f"run.dir={tmp_path}", "run.progress=false", "run.plots=true", "run.steps=4", "run.eval_every=2",
                        "model.tiny_hidden=32", "model.tiny_layers=1", "sft.steps=30", "data.eval_size=16",
                        "rollout.prompts_per_step=8", "rollout.n=4"], cluster)
     out = capsys.readouterr().out.strip().splitlines()

@@ -57,7 +57,7 @@ def rows(result):
 
 def test_cartpole_ppo_preset_reaches_475(cluster, tmp_path):
     """The configs/ppo_cartpole.yaml preset as a user runs it (seeded): mean return >= 475, and a full run directory."""
-    cfg = C.load(EmbodiedConfig, "ppo_cartpole", [f"run.dir={tmp_path}", "run.progress=false"])
+    cfg = C.load(EmbodiedConfig, "ppo_cartpole", [f"run.dir={tmp_path}", "run.progress=false", "run.plots=true"])
     result = train(cfg, cluster)
     m = result["metrics"]
     assert m["rollout/return_window"] >= 475, m
@@ -106,7 +106,7 @@ def test_hybrid_pipelined_run_matches_lockstep_and_its_trace_shows_overlap(clust
     lockstep = train(cfg_for(tmp_path, "lockstep", cluster={"placement": "env,rollout,actor: 0"},
                              run={"trace": False, "steps": 3}), cluster)
     hybrid = train(cfg_for(tmp_path, "hybrid", cluster={"placement": "env: 0; rollout: 1; actor: 0-1"},
-                           env={"pipeline_stages": 2}, run={"steps": 3}), cluster)
+                           env={"pipeline_stages": 2}, run={"steps": 3, "plots": True}), cluster)
     per_rank = train(cfg_for(tmp_path, "per_rank", cluster={"placement": "env,rollout,actor: 0-1"},
                              run={"trace": False, "steps": 3}), cluster)
     assert hybrid["plan"]["mode"] == "hybrid" and hybrid["plan"]["placement"]["actor"] == [[0], [1]]

@@ -207,7 +207,7 @@ def test_held_out_accuracy_every_n_steps_is_that_of_the_weights_of_that_step(clu
     next step is handed out. The figures equal this process's evaluation of the saved models (to one problem)."""
     from m2flow.reasoning.evaluation import evaluate_model
 
-    cfg = make_cfg(tmp_path, "ev", "run.steps=4", "run.eval_every=1", "run.save_every=3", "actor.lr=1e-2",
+    cfg = make_cfg(tmp_path, "ev", "run.plots=true", "run.steps=4", "run.eval_every=1", "run.save_every=3", "actor.lr=1e-2",
                    "algorithm.max_staleness=1", "reward.fn=reward_fixtures:even_first_char",
                    "cluster.placement=rollout: 0; reward,inference,actor: 1")
     train(cfg, cluster)
