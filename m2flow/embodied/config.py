@@ -47,7 +47,7 @@ class EmbodiedClusterConfig(ClusterConfig):
 class EnvConfig:
     id: str = opt("CartPole-v1", "gymnasium env id (classic control, MuJoCo, or 'module:Env-v0'), or ManiSkill3's "
                                  "PickCube-v1 | PushCube-v1 | StackCube-v1 (several, comma-separated, with instruct "
-                                 "or pixels: env i of each env worker runs task i % n)")
+                                 "or pixels: env i of each env worker runs task (i // env.seed_groups) % n)")
     num_envs: int = opt(8, "envs in total, split evenly over the env workers", within="[1, inf)")
     pipeline_stages: int = opt(1, "env groups per env worker: the policy infers for one while the simulator steps "
                                "another (1: lockstep)", within="[1, inf)")
@@ -373,9 +373,6 @@ class EmbodiedConfig:
             raise ConfigError(f"env.wrist_camera=true adds a hand camera's frames to ManiSkill3's pixel observations: "
                               f"it needs env.pixels=true and a ManiSkill3 env.id (got env.pixels={self.env.pixels}, "
                               f"env.id={self.env.id})")
-        if "," in self.env.id and self.env.seed_groups > 1:
-            raise ConfigError("env.seed_groups > 1 with several tasks in env.id is not supported yet (a group of envs "
-                              "sharing a reset seed would mix tasks)")
         if (self.policy.kind == "instruct") != self.env.instruct:
             raise ConfigError("policy.kind=instruct and env.instruct=true go together (the policy reads the "
                               "instruction the observations carry)")

@@ -84,6 +84,22 @@ def test_one_instruction_conditioned_policy_clones_three_tasks_and_trains_on_the
     assert set(result["eval"]) >= {"success_rate/PickCube-v1", "success_rate/PushCube-v1", "success_rate/StackCube-v1"}
 
 
+def test_grpo_on_three_tasks_compares_outcomes_within_groups_of_one_task(cluster, tmp_path):
+    """ppo_maniskill3 with embodied GRPO: groups of 2 envs share a reset seed and a task (envs 0-1 PickCube, 2-3
+    PushCube, 4-5 StackCube), each task's success is reported, and every group's outcomes are normalized within it."""
+    result = train(C.load(EmbodiedConfig, "ppo_maniskill3", [
+        f"run.dir={tmp_path}", "run.name=grpo3", "run.progress=false", "run.steps=2", "eval.episodes=0",
+        "algorithm.name=grpo", "env.seed_groups=2", "env.num_envs=6", "env.max_episode_steps=20", "rollout.steps=20",
+        "actor.minibatch_size=60", "actor.epochs=1", "cluster.placement=env,rollout,actor: 0"]), cluster)
+    rows = [json.loads(line) for line in open(f"{result['run_dir']}/metrics.jsonl")]
+    assert [r["rollout/episodes"] for r in rows] == [6, 6] and rows[-1]["env_steps"] == 240
+    tasks = ["PickCube-v1", "PushCube-v1", "StackCube-v1"]
+    for r in rows:  # two episodes of each task an iteration
+        assert r["rollout/success_once"] == pytest.approx(sum(r[f"rollout/success_once/{t}"] for t in tasks) / 3)
+        assert r["grpo/score_mean"] == pytest.approx(r["rollout/success_once"])
+        assert abs(r["actor/advantage_mean"]) < 1e-6  # normalized within each group (all equal outcomes give 0)
+
+
 def test_the_rlpd_pickcube_preset_trains_sac_on_the_demonstrations_past_success(cluster, tmp_path):
     """`m2flow train rlpd_pickcube` with the shipped demonstrations: the dense reward's episodes run to the step
     limit (ignore_terminations), every iteration takes utd 0.5 x its 64 env steps of gradient steps on minibatches

@@ -41,6 +41,23 @@ def test_a_multi_task_group_shows_each_env_its_instruction_and_a_padded_state():
         make_env_fns("CartPole-v1", 1, instruct=True)
 
 
+def test_envs_that_share_a_reset_seed_run_one_task():
+    """Embodied GRPO on several tasks: a group of env.seed_groups envs shares a reset seed and compares its outcomes,
+    so it runs one task; with groups of 1 the envs take turns, as before."""
+    tasks = MULTI.split(",")
+    assert maniskill.env_tasks(MULTI, 4) == [*tasks, tasks[0]]
+    assert maniskill.env_tasks(MULTI, 12, seed_groups=2) == [t for t in tasks for _ in range(2)] * 2
+    g = EnvGroup.make(MULTI, 6, seed=7, seed_groups=2, env_kwargs={"instruct": True})
+    obs = g.reset()
+    assert g._s.tasks == [t for t in tasks for _ in range(2)]  # what its episodes name, as the envs were made
+    k = maniskill.INSTRUCTION_TOKENS
+    for i in range(0, 6, 2):  # a group: one seed, one task, so one initial observation
+        assert obs[i].tolist() == obs[i + 1].tolist()
+        assert obs[i, :k].tolist() == maniskill.tokenize(maniskill.TASKS[tasks[i // 2]]).tolist()
+    assert obs[0].tolist() != obs[2].tolist() != obs[4].tolist()
+    g.close()
+
+
 def test_an_iterations_metrics_give_each_tasks_success():
     def episode(task, success):
         return {"env_index": 0, "return": 1.0, "length": 5, "success_once": success, "success": success, "task": task}
@@ -80,5 +97,6 @@ def test_the_policy_and_the_observations_go_together():
         C.load(EmbodiedConfig, "ppo_pickcube", ["policy.kind=instruct"])
     cfg = C.load(EmbodiedConfig, "ppo_pickcube", [f"env.id={MULTI}", "env.instruct=true", "policy.kind=instruct"])
     assert cfg.env.id == MULTI
-    with pytest.raises(C.ConfigError, match="would mix tasks"):
-        C.load(EmbodiedConfig, "ppo_maniskill3", ["algorithm.name=grpo", "env.seed_groups=2"])
+    # GRPO on several tasks: its groups run one task each (test_envs_that_share_a_reset_seed_run_one_task)
+    grpo = C.load(EmbodiedConfig, "ppo_maniskill3", ["algorithm.name=grpo", "env.seed_groups=2"])
+    assert grpo.algorithm.name == "grpo" and grpo.env.seed_groups == 2

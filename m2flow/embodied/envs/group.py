@@ -104,6 +104,7 @@ def make_env_fns(
     image_size: int = 64,
     render_triangles: int = maniskill.RENDER_TRIANGLES,
     wrist_camera: bool = False,
+    seed_groups: int = 1,
     **kwargs,
 ) -> list[Callable[[], gym.Env]]:
     """One constructor per env: `gym.make(env_id, render_mode, **kwargs)` (kwargs e.g. max_episode_steps=...).
@@ -112,7 +113,8 @@ def make_env_fns(
     (`EnvGroup.reset`, or `vec.reset(seed=seed)` which seeds env i with seed + i). `pixels=True` wraps each env
     in `PixelObservation(image_size)`; MuJoCo envs then render at that size directly, headless through EGL; ManiSkill3's
     scenes keep `render_triangles` visual triangles per body (maniskill.SimplifiedVisuals), and `wrist_camera` adds
-    their hand camera's frames.
+    their hand camera's frames. Several ManiSkill3 tasks: env i runs `maniskill.env_tasks`' task i, so that each group
+    of `seed_groups` consecutive envs (the envs that share a reset seed) runs one task.
     """
     check_env_id(env_id)
     if wrist_camera and not (pixels and maniskill.is_maniskill(env_id)):
@@ -128,8 +130,8 @@ def make_env_fns(
             raise ValueError(f"{env_id}: several tasks in one env group need instruction observations (env.instruct="
                              f"true: the tasks' states differ in size, and the policy must be told the task)")
         maniskill.check_available()  # a one-line error here rather than in every env's constructor
-        return [functools.partial(_make_seeded, maniskill.make, tasks[i % len(tasks)], render_mode, seed + i, kwargs)
-                for i in range(num_envs)]
+        return [functools.partial(_make_seeded, maniskill.make, task, render_mode, seed + i, kwargs)
+                for i, task in enumerate(maniskill.env_tasks(env_id, num_envs, seed_groups))]
     if kwargs.get("instruct"):
         raise ValueError(f"{env_id}: instruction observations (env.instruct) are for the ManiSkill3 tasks "
                          f"({', '.join(maniskill.TASKS)})")
@@ -227,7 +229,7 @@ class _Pending:
 class _Shared:
     """The state of all N envs, shared by an EnvGroup and the stage views that `split` makes of it."""
 
-    def __init__(self, envs, env_id, seeds, obs_norm, reward_scaler, training):
+    def __init__(self, envs, env_id, seeds, seed_groups, obs_norm, reward_scaler, training):
         n = len(envs)
         self.envs, self.env_id, self.seeds = envs, env_id, seeds
         self.obs_norm, self.reward_scaler, self.training = obs_norm, reward_scaler, training
@@ -241,8 +243,8 @@ class _Shared:
         self.round = np.zeros(n, np.int64)  # obs emissions of env i: the normalizers merge data round by round
         self.pending: dict[int, _Pending] = {}
         self.episodes: list[dict] = []
-        tasks = maniskill.task_ids(env_id) if env_id and maniskill.is_maniskill(env_id) else []
-        self.tasks = [tasks[i % len(tasks)] for i in range(n)] if len(tasks) > 1 else None  # make_env_fns' order
+        several = env_id and maniskill.is_maniskill(env_id) and len(maniskill.task_ids(env_id)) > 1
+        self.tasks = maniskill.env_tasks(env_id, n, seed_groups) if several else None  # make_env_fns' order
 
     def record(self, lo: int, obs_raw: np.ndarray, returns: np.ndarray | None) -> None:
         """Queue rows for envs lo.. at their current round; merge every round all N envs have reached, in env order.
@@ -338,7 +340,7 @@ class EnvGroup:
         self.observation_space, self.action_space = obs_space, act_space
         self.seed, self.seed_groups, self.clip_actions = seed, seed_groups, clip_actions
         self._gamma = gamma
-        self._s = _Shared(envs, env_id, seed + np.arange(n) // seed_groups,
+        self._s = _Shared(envs, env_id, seed + np.arange(n) // seed_groups, seed_groups,
                           ObsNormalizer(obs_space.shape, clip_obs) if norm_obs else None,
                           RewardScaler(gamma, clip_reward) if norm_reward else None, training)
         self._lo, self._hi = 0, n
@@ -348,7 +350,7 @@ class EnvGroup:
              image_size: int = 64, env_kwargs: dict | None = None, **options) -> "EnvGroup":
         """`EnvGroup(make_env_fns(env_id, num_envs, seed, pixels, ...), **options)`; options as in `__init__`."""
         fns = make_env_fns(env_id, num_envs, seed, pixels=pixels, render_mode=render_mode, image_size=image_size,
-                           **(env_kwargs or {}))
+                           seed_groups=options.get("seed_groups", 1), **(env_kwargs or {}))
         return cls(fns, env_id=env_id, seed=seed, **options)
 
     # --- views ---

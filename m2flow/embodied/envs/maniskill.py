@@ -57,8 +57,16 @@ def is_maniskill(env_id: str) -> bool:
 
 
 def task_ids(env_id: str) -> list[str]:
-    """The tasks of an env id: one, or several separated by commas (a multi-task group: env i runs task i % n)."""
+    """The tasks of an env id: one, or several separated by commas (a multi-task group: `env_tasks`)."""
     return [t.strip() for t in env_id.split(",")]
+
+
+def env_tasks(env_id: str, num_envs: int, seed_groups: int = 1) -> list[str]:
+    """The task of each of an env group's `num_envs` envs: env i runs task (i // seed_groups) % n of the n tasks, so
+    that with `seed_groups` 1 they take turns (PickCube, PushCube, StackCube, PickCube, ...) and the envs of a group
+    that shares a reset seed (embodied GRPO compares outcomes within it) run one task."""
+    tasks = task_ids(env_id)
+    return [tasks[(i // seed_groups) % len(tasks)] for i in range(num_envs)]
 
 
 def tokenize(text: str) -> np.ndarray:

@@ -39,11 +39,12 @@ def make_env_group(cfg, num_envs: int, seed: int, training: bool = True, render_
         kwargs["max_episode_steps"] = e.max_episode_steps
     if e.instruct:
         kwargs["instruct"] = True
+    groups = seed_groups or e.seed_groups
     fns = make_env_fns(e.id, num_envs, seed, pixels=e.pixels, render_mode=render_mode, image_size=e.image_size,
-                       render_triangles=e.render_triangles, wrist_camera=e.wrist_camera, **kwargs)
+                       render_triangles=e.render_triangles, wrist_camera=e.wrist_camera, seed_groups=groups, **kwargs)
     if wrap is not None:
         fns = [wrap(i, fn) for i, fn in enumerate(fns)]
-    return EnvGroup(fns, env_id=e.id, seed=seed, seed_groups=seed_groups or e.seed_groups, norm_obs=e.norm_obs,
+    return EnvGroup(fns, env_id=e.id, seed=seed, seed_groups=groups, norm_obs=e.norm_obs,
                     norm_reward=e.norm_reward, gamma=cfg.algorithm.gamma, clip_obs=e.clip_obs,
                     clip_reward=e.clip_reward, training=training)
 
