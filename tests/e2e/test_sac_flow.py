@@ -248,12 +248,28 @@ def test_sac_grad_manual_trains_as_autograd_does_and_refuses_networks_it_cannot_
 
 
 def _nice_by_pid() -> dict[int, tuple[str, list[int]]]:
-    """pid -> (title, nice of each thread) of every Ray worker process on this machine (titled `m2flow:...` while it
-    waits for a call, `ray::...` while it runs one) and of every sac.actor_process process (`actor_process of PPID`)."""
+    """pid -> (title, nice of each thread) of every Ray worker process of this session's cluster (titled `m2flow:...`
+    while it waits for a call, `ray::...` while it runs one) and of every sac.actor_process process (`actor_process of
+    PPID`). Only this process's descendants: another m2flow run on the machine has workers of the same titles."""
     import os
 
-    out = {}
+    parent = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+            parent[int(pid)] = int(stat[stat.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError):  # gone meanwhile
+            pass
+
+    def ours(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == os.getpid():
+                return True
+        return False
+
+    out = {}
+    for pid in filter(lambda p: p.isdigit() and ours(int(p)), os.listdir("/proc")):
         try:
             title = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode(errors="replace").strip()
             if "sac.actor_process" in open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"):
