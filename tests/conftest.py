@@ -55,15 +55,11 @@ def _runs_draw_no_plots_unless_asked() -> None:
 
     load = C.load
 
-    def says_plots(config, overrides) -> bool:
-        if any(item.startswith("run.plots=") for item in overrides or []):
-            return True
-        data = {} if config is None else config if isinstance(config, dict) else C.read_yaml(C.resolve_path(config))
-        return "plots" in (data.get("run") or {})
-
     def load_without_plots(cls, config=None, overrides=None):
-        cfg = load(cls, config, overrides)
-        if hasattr(getattr(cfg, "run", None), "plots") and not says_plots(config, overrides):
+        data = {} if config is None else config if isinstance(config, dict) else C.read_yaml(C.resolve_path(config))
+        cfg = load(cls, data, overrides)  # the file read once, here
+        asked = "plots" in (data.get("run") or {}) or any(o.startswith("run.plots=") for o in overrides or [])
+        if hasattr(getattr(cfg, "run", None), "plots") and not asked:
             cfg.run.plots = False
         return cfg
 
