@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--steps", type=int, default=None, help="optimizer steps (default 600; --demos: 2000)")
     s.add_argument("--batch-size", type=int, default=None, help="default 64; --demos: 256")
     s.add_argument("--lr", type=float, default=None, help="default 3e-3; --demos: 1e-3")
+    s.add_argument("--shift", type=int, default=0, help="--demos from pixels: move each training frame by up to N "
+                                                        "pixels at random (augmentation; default 0: off)")
 
     i = sub.add_parser("init-model", help="write a tiny HF model directory (random weights, character tokenizer)")
     i.add_argument("out")
@@ -203,7 +205,7 @@ def behaviour_clone(args) -> int:
         raise C.UserError(f"sft --demo-episodes must be >= 1, got {args.demo_episodes}")
     try:
         result = behaviour_clone(cfg, args.demos, args.out, steps=args.steps or 2000, episodes=args.demo_episodes,
-                                 batch_size=args.batch_size or 256, lr=args.lr or 1e-3)
+                                 batch_size=args.batch_size or 256, lr=args.lr or 1e-3, shift=args.shift)
     except (ValueError, FileNotFoundError) as e:
         raise C.UserError(f"sft --demos: {e}") from None
     print(f"cloned from {result['demo_episodes']} demonstrations ({result['demo_steps']} steps): nll "

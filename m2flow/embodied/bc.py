@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .envs.maniskill import RENDER_TRIANGLES
+from .envs.packed import PackedLayout
 from .policies import ActorCritic
 
 
@@ -112,13 +113,35 @@ def demo_data(demos: str, env_id: str, instruct: bool = False, chunk: int = 1, g
     return {k: torch.cat([p[k] for p in parts]) if k != "episodes" else sum(p[k] for p in parts) for k in parts[0]}
 
 
+def shift_frames(rows: torch.Tensor, layout: PackedLayout, pad: int, gen: torch.Generator) -> torch.Tensor:
+    """Random shifts of packed pixel rows [B, nbytes] (DrQ's augmentation, robomimic's crop randomization): each
+    camera's frame of each row moved by up to `pad` pixels along each axis, the border pixels repeated into the gap,
+    the offsets drawn from `gen`. A new tensor; the other fields are copied unchanged."""
+    if pad < 1:
+        return rows
+    out = rows.clone()
+    rgb = layout.unpack(out)["rgb"]  # [B, 3 * views, H, W], a view of `out`
+    b, channels, h, w = rgb.shape
+    frames = rgb.reshape(b * channels // 3, 3, h, w)
+    n = frames.shape[0]
+    padded = torch.nn.functional.pad(frames.float(), (pad, pad, pad, pad), mode="replicate")
+    dy, dx = (torch.randint(0, 2 * pad + 1, (n,), generator=gen) for _ in range(2))
+    ys = (dy[:, None] + torch.arange(h))[:, :, None]  # [n, H, 1]
+    xs = (dx[:, None] + torch.arange(w))[:, None, :]  # [n, 1, W]
+    moved = padded.permute(0, 2, 3, 1)[torch.arange(n)[:, None, None], ys, xs]  # [n, H, W, 3]
+    rgb.copy_(moved.permute(0, 3, 1, 2).to(torch.uint8).reshape(b, channels, h, w))
+    return out
+
+
 def fit(policy: ActorCritic, data: dict[str, torch.Tensor], steps: int, batch_size: int = 256, lr: float = 1e-3,
-        vf_coef: float = 0.5, seed: int = 0, on_step: Callable[[int, dict], None] | None = None) -> dict:
+        vf_coef: float = 0.5, seed: int = 0, on_step: Callable[[int, dict], None] | None = None,
+        augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None) -> dict:
     """`steps` Adam steps on minibatches of `data` (sampled with replacement from a seeded generator): loss =
     -mean log-likelihood of the actions + vf_coef * mean squared error of the values. The value loss trains the
     policy's encoder too, also where RL keeps it from doing so (the VLA's `value_trains_encoder`): the returns are
-    a target that teaches it where things are. Returns the last step's metrics; `on_step(i, metrics)` sees every
-    step's."""
+    a target that teaches it where things are. `augment(obs, generator)` (e.g. `shift_frames`) transforms each
+    minibatch's observations before the policy sees them. Returns the last step's metrics; `on_step(i, metrics)`
+    sees every step's."""
     if steps < 1:
         raise ValueError(f"behaviour cloning needs steps >= 1, got {steps}")
     optimizer = torch.optim.Adam(policy.parameters(), lr=lr)
@@ -128,17 +151,18 @@ def fit(policy: ActorCritic, data: dict[str, torch.Tensor], steps: int, batch_si
     if rl_setting is not None:
         policy.value_trains_encoder = True
     try:
-        return _fit_steps(policy, optimizer, data, steps, batch_size, vf_coef, gen, on_step)
+        return _fit_steps(policy, optimizer, data, steps, batch_size, vf_coef, gen, on_step, augment)
     finally:
         if rl_setting is not None:
             policy.value_trains_encoder = rl_setting
 
 
-def _fit_steps(policy, optimizer, data, steps, batch_size, vf_coef, gen, on_step) -> dict:
+def _fit_steps(policy, optimizer, data, steps, batch_size, vf_coef, gen, on_step, augment=None) -> dict:
     n, metrics = len(data["obs"]), {}
     for i in range(steps):
         rows = torch.randint(0, n, (min(batch_size, n),), generator=gen)
-        logprob, entropy, value = policy.evaluate(data["obs"][rows], data["actions"][rows])
+        obs = data["obs"][rows] if augment is None else augment(data["obs"][rows], gen)
+        logprob, entropy, value = policy.evaluate(obs, data["actions"][rows])
         nll = -logprob.mean()
         vf = (value - data["returns"][rows]).square().mean()
         loss = nll + vf_coef * vf

@@ -226,6 +226,12 @@ CASES = [
     ("eval of a folder without a model", ["eval", "{tmp}/empty"], "error: '{tmp}/empty' has no config.json"),
     ("sft from a missing model", ["sft", "{tmp}/nope", "{tmp}/out"], "error: model directory '{tmp}/nope' does not "
                                                                      "exist"),
+    ("frame shifts for a policy that sees no frames", ["sft", "ppo_pickcube", "{tmp}/out", "--demos", "{tmp}/empty",
+                                                       "--shift", "4"],
+     "error: sft --demos: shift=4 moves camera frames, but the config observes states (env.pixels=false)"),
+    ("frame shifts past half the frame", ["sft", "vla_pickcube", "{tmp}/out", "--demos", "{tmp}/empty", "--shift",
+                                          "32"],
+     "error: sft --demos: shift must be in [0, 32) pixels for env.image_size=64, got 32"),
     ("profile file missing", ["plan", "--profile", "{tmp}/nope.json", "--devices", "2"],
      "error: {tmp}/nope.json: no such profile file"),
     ("profile file of the wrong shape", ["plan", "--profile", "{tmp}/qa.jsonl", "--devices", "2"],

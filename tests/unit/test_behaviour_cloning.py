@@ -163,3 +163,29 @@ def test_a_behaviour_cloning_term_beside_the_rl_loss_pulls_the_policy_to_the_dem
     assert [r["actor/bc_coef"] for r in rows] == [0.5, 0.25] and all(r["actor/bc_nll"] > 0 for r in rows)
     plain_before, plain_after, plain = trained()
     assert plain_after == pytest.approx(plain_before, abs=1e-3) and "actor/bc_nll" not in plain[0]
+
+
+def test_random_shifts_move_each_cameras_frame_and_leave_the_other_fields():
+    from m2flow.embodied.bc import shift_frames
+    from m2flow.embodied.envs.packed import Field, PackedLayout
+
+    layout = PackedLayout([Field("state", "float32", (3,)), Field("rgb", "uint8", (6, 5, 5))])  # two cameras
+    rgb = (np.arange(2 * 6 * 25) % 251).astype(np.uint8).reshape(2, 6, 5, 5)
+    rows = torch.as_tensor(np.stack([layout.pack(state=np.array([1.5, -2, 3], np.float32), rgb=f) for f in rgb]))
+    assert shift_frames(rows, layout, 0, torch.Generator()) is rows
+    gen = torch.Generator().manual_seed(3)
+    out = shift_frames(rows, layout, 2, gen)
+    assert torch.equal(rows, torch.as_tensor(np.stack([layout.pack(state=np.array([1.5, -2, 3], np.float32), rgb=f)
+                                                       for f in rgb])))  # the input untouched
+    got = layout.unpack(out)
+    assert got["state"].tolist() == [[1.5, -2, 3]] * 2
+    # redraw the offsets the call drew: frame k (row k // 2, camera k % 2) starts at (dy - 2, dx - 2) of the original
+    again = torch.Generator().manual_seed(3)
+    dy, dx = (torch.randint(0, 5, (4,), generator=again) for _ in range(2))
+    assert len({(int(a), int(b)) for a, b in zip(dy, dx)}) > 1  # the frames moved differently
+    for k in range(4):
+        frame = rgb[k // 2, 3 * (k % 2):3 * (k % 2) + 3]
+        ys = np.clip(np.arange(5) + int(dy[k]) - 2, 0, 4)  # the border repeated past the edge
+        xs = np.clip(np.arange(5) + int(dx[k]) - 2, 0, 4)
+        want = frame[:, ys][:, :, xs]
+        assert np.array_equal(got["rgb"][k // 2, 3 * (k % 2):3 * (k % 2) + 3].numpy(), want), k
