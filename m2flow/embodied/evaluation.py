@@ -31,7 +31,7 @@ def evaluate_checkpoint(path: str | Path, episodes: int = 10, video_dir: str | N
         raise FileNotFoundError(f"{path}: no policy.safetensors (expected an embodied checkpoint or run directory)")
     cfg = C.load(EmbodiedConfig, C.read_yaml(path / "config.yaml"))
     n = max(1, min(episodes, cfg.eval.num_envs))
-    render = "rgb_array" if video_dir and not cfg.env.pixels else None
+    render = "rgb_array" if video_dir else None  # pixel envs too: the video is the render camera's view
     group = make_env_group(cfg, n, cfg.eval.seed, training=False, render_mode=render, seed_groups=1,
                            wrap=video_recorder(video_dir) if video_dir else None)
     if (path / "env_0.safetensors").exists():

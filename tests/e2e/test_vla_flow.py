@@ -51,8 +51,11 @@ def test_ppo_and_grpo_train_a_vla_from_pixels_and_its_checkpoint_evaluates(clust
         assert first[key].shape[1] == 3 and not torch.equal(first[key], second[key]), name
         views = 2 if name == "grpo" else 1  # GRPO's run sees the hand camera's frames too (env.wrist_camera)
         assert first["encoder.vision_pos"].shape[1] == views * (48 // 16) ** 2, name
-        out = evaluate(str(tmp_path / name), episodes=2)  # `m2flow eval RUN_DIR`
+        video = tmp_path / f"{name}_video"
+        out = evaluate(str(tmp_path / name), episodes=2, video_dir=str(video))  # `m2flow eval RUN_DIR --video D`
         assert out["episodes"] == 2 and out["length_mean"] == 8 and 0.0 <= out["success_rate"] <= 1.0, name
+        # the video is the render camera's view of env 0's first episode, beside the frames the policy saw
+        assert [f.suffix for f in video.iterdir()] in ([".mp4"], [".gif"]) and out["video_dir"] == str(video), name
 
 
 def test_lockstep_and_pipelined_plans_collect_the_same_pixel_trajectories(cluster, tmp_path):
