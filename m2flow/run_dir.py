@@ -100,8 +100,7 @@ class RunDir:
     def __init__(self, path: str | Path, cfg, resume: bool = False):
         self.path = Path(path).resolve()  # absolute: worker processes do not share the driver's working directory
         self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "plots").mkdir(exist_ok=True)
-        (self.path / "checkpoints").mkdir(exist_ok=True)
+        (self.path / "checkpoints").mkdir(exist_ok=True)  # plots/ comes with the first PNG (run.plots)
         C.save_yaml(cfg, self.path / "config.yaml")
         self.metrics_path = self.path / "metrics.jsonl"
         if not resume and self.metrics_path.exists():
@@ -192,6 +191,7 @@ class RunDir:
             ax.legend(fontsize=8)
             fig.tight_layout()
             path = self.path / "plots" / f"{title.replace('/', '_')}.png"
+            path.parent.mkdir(exist_ok=True)
             fig.savefig(path, dpi=100)
             plt.close(fig)
             out.append(path)

@@ -81,7 +81,7 @@ def test_run_plots_false_draws_no_png_and_keeps_the_rest(cluster, tmp_path):
     run = tmp_path / "noplots"
     assert len(rows(result)) == 2 and list((run / "tb").iterdir())
     assert (run / "trace.json").exists() and (run / "checkpoints" / "step_2" / "COMPLETE").exists()
-    assert not list(run.rglob("*.png"))
+    assert not list(run.rglob("*.png")) and not (run / "plots").exists()
 
 
 def test_target_kl_stops_every_actor_rank_at_the_same_minibatch(cluster, tmp_path):
