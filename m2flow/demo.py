@@ -27,7 +27,8 @@ def run_demo(overrides: list[str] | None = None, cluster=None) -> dict:
                                                             f"run.overwrite)" if replaced else ""))
     with run_dir_claimed(cfg.run.path, cfg.run.resume, cfg.run.overwrite):  # the warm start and GRPO: one run
         until = (f"up to {cfg.sft.steps} steps, until greedy decoding answers {cfg.sft.target_accuracy:.0%} of "
-                 f"{cfg.sft.val_size} held-back problems" if cfg.sft.target_accuracy else f"{cfg.sft.steps} steps")
+                 f"{cfg.sft.val_size} held-back problems" if cfg.sft.target_accuracy and cfg.sft.steps
+                 else f"{cfg.sft.steps} steps")
         width = f", answers as {cfg.data.answer_width} digits" if cfg.data.answer_width else ""
         print(f"[m2flow demo] 1/3 tiny model (hidden {cfg.model.tiny_hidden}, {cfg.model.tiny_layers} layers) + SFT "
               f"warm start ({until}) on {cfg.data.digits}-digit arithmetic{width}")
