@@ -122,14 +122,13 @@ def shift_frames(rows: torch.Tensor, layout: PackedLayout, pad: int, gen: torch.
     out = rows.clone()
     rgb = layout.unpack(out)["rgb"]  # [B, 3 * views, H, W], a view of `out`
     b, channels, h, w = rgb.shape
-    frames = rgb.reshape(b * channels // 3, 3, h, w)
+    frames = layout.unpack(rows)["rgb"].reshape(b * channels // 3, 3, h, w)  # read from the input, uint8
     n = frames.shape[0]
-    padded = torch.nn.functional.pad(frames.float(), (pad, pad, pad, pad), mode="replicate")
-    dy, dx = (torch.randint(0, 2 * pad + 1, (n,), generator=gen) for _ in range(2))
-    ys = (dy[:, None] + torch.arange(h))[:, :, None]  # [n, H, 1]
-    xs = (dx[:, None] + torch.arange(w))[:, None, :]  # [n, 1, W]
-    moved = padded.permute(0, 2, 3, 1)[torch.arange(n)[:, None, None], ys, xs]  # [n, H, W, 3]
-    rgb.copy_(moved.permute(0, 3, 1, 2).to(torch.uint8).reshape(b, channels, h, w))
+    dy, dx = (torch.randint(0, 2 * pad + 1, (n,), generator=gen) - pad for _ in range(2))
+    ys = (dy[:, None] + torch.arange(h)).clamp(0, h - 1)[:, None, :, None]  # [n, 1, H, 1]: past an edge, the edge
+    xs = (dx[:, None] + torch.arange(w)).clamp(0, w - 1)[:, None, None, :]  # [n, 1, 1, W]
+    moved = frames[torch.arange(n)[:, None, None, None], torch.arange(3)[None, :, None, None], ys, xs]
+    rgb.copy_(moved.reshape(b, channels, h, w))
     return out
 
 
